@@ -1,0 +1,122 @@
+"""mtp-sp-scatter: scatter the MTP embedding to the sequence-parallel region.
+
+megatron-core 0.14-0.19.x: `MultiTokenPredictionLayer._get_embeddings` calls the model's embedding
+directly. A model built with ``scatter_embedding_sequence_parallel=False`` scatters in its own outer
+forward, the MTP path never does, so under sequence parallelism `decoder_input` stays [S/CP, b, h]
+against hidden states of [S/(CP*TP), b, h] and `_concat_embeddings` fails. Upstream fix: Megatron-LM
+PR #6256 (commit 67700f79), first shipped in 0.20.0.
+
+The hook hands `_get_embeddings` an embedding whose output is scattered, so the scatter lands exactly
+where upstream puts it (after the embedding call, before the `mtp_detach_heads` detach) whatever the
+release's return layout.
+"""
+
+import inspect
+
+from ..fix import Fix, Provenance, drifted, needed, redundant
+
+TARGET = "megatron.core.transformer.multi_token_prediction"
+SCATTER = "scatter_to_sequence_parallel_region"
+
+# parameters of `_get_embeddings` by release; `embedding` is the third argument in every one
+SIGNATURES = {
+    ("self", "input_ids", "position_ids", "embedding", "hidden_states"): "0.14-0.15",
+    ("self", "input_ids", "position_ids", "embedding", "hidden_states", "packed_seq_params"): "0.16-0.17",
+    (
+        "self",
+        "input_ids",
+        "position_ids",
+        "embedding",
+        "hidden_states",
+        "packed_seq_params",
+        "padding_mask",
+    ): "0.18-0.19",
+}
+EMBEDDING_POSITION = 2  # in args, after input_ids and position_ids (self is bound by wrapt)
+
+
+def signature_variant(function):
+    """The release family whose `_get_embeddings` signature ``function`` has, or None."""
+    return SIGNATURES.get(tuple(inspect.signature(function).parameters))
+
+
+def embedding_scatters(embedding):
+    """Upstream's rule: an embedding without the attribute scatters by itself."""
+    return getattr(embedding, "scatter_to_sequence_parallel", True)
+
+
+def _scatter_function(module):
+    # resolved at call time through the target module's own global, as upstream does, so a test
+    # that monkeypatches that name sees it; releases without the global fall back to tensor_parallel
+    scatter = getattr(module, SCATTER, None)
+    if scatter is None:
+        from megatron.core import tensor_parallel
+
+        scatter = getattr(tensor_parallel, SCATTER)
+    return scatter
+
+
+class SPScatterFix(Fix):
+    name = "mtp-sp-scatter"
+    summary = "Scatter the MTP embedding to the sequence-parallel region under SP/CP."
+    distribution = "megatron-core"
+    targets = (TARGET,)
+    provenance = Provenance(
+        origin="NeMo-RL (Nemotron Omni MTP under TP+SP)",
+        upstream_fix="Megatron-LM PR #6256 (commit 67700f79)",
+        first_fixed_release="0.20.0",
+    )
+
+    def probe(self, module):
+        layer = getattr(module, "MultiTokenPredictionLayer", None)
+        if layer is None:
+            return drifted(f"{TARGET} has no MultiTokenPredictionLayer")
+        method = vars(layer).get("_get_embeddings")
+        if method is None:
+            return drifted("MultiTokenPredictionLayer has no _get_embeddings method")
+        method = getattr(method, "__wrapped__", method)
+        if SCATTER in method.__code__.co_names:
+            return redundant(f"_get_embeddings already calls {SCATTER} (upstream PR #6256 or patched on disk)")
+        variant = signature_variant(method)
+        if variant is None:
+            known = "; ".join(f"{v}: {p}" for p, v in SIGNATURES.items())
+            return drifted(f"_get_embeddings{tuple(inspect.signature(method).parameters)} matches none of {known}")
+        return needed(f"signature of megatron-core {variant}")
+
+    def wrappers(self, module):
+        import wrapt
+
+        class ScatteringEmbedding(wrapt.CallableObjectProxy):
+            """The model's embedding, its output scattered to the sequence-parallel region."""
+
+            def __init__(self, embedding, group):
+                super().__init__(embedding)
+                self._self_group = group
+
+            def __call__(self, *args, **kwargs):
+                output = self.__wrapped__(*args, **kwargs)
+                scatter = _scatter_function(module)
+                if self._self_group is None:
+                    return scatter(output)
+                return scatter(output, group=self._self_group)
+
+        def get_embeddings(wrapped, instance, args, kwargs):
+            if "embedding" in kwargs:
+                embedding = kwargs["embedding"]
+            elif len(args) > EMBEDDING_POSITION:
+                embedding = args[EMBEDDING_POSITION]
+            else:
+                raise TypeError("_get_embeddings() missing required argument: 'embedding'")
+            if not instance.config.sequence_parallel or embedding_scatters(embedding):
+                return wrapped(*args, **kwargs)
+            scattering = ScatteringEmbedding(embedding, getattr(instance, "tp_group", None))
+            if "embedding" in kwargs:
+                kwargs = dict(kwargs, embedding=scattering)
+            else:
+                args = args[:EMBEDDING_POSITION] + (scattering,) + args[EMBEDDING_POSITION + 1 :]
+            return wrapped(*args, **kwargs)
+
+        yield module.MultiTokenPredictionLayer, "_get_embeddings", get_embeddings
+
+
+FIX = SPScatterFix()

@@ -1,0 +1,78 @@
+"""The list of fixes, and install / uninstall / status over it.
+
+The registry knows fixes only through the Fix contract; the hooks module is the only way in to the
+import machinery.
+"""
+
+import os
+
+from . import hooks
+from .fix import FixStatus, State, distribution_version, strict_from_env
+from .fixes import device_broadcast, loss_mask, modules_cache, sp_scatter
+
+FIXES = [sp_scatter.FIX, loss_mask.FIX, modules_cache.FIX, device_broadcast.FIX]
+NAMES = [fix.name for fix in FIXES]
+
+
+def get(name):
+    """The fix called ``name``; ValueError listing the known names otherwise."""
+    for fix in FIXES:
+        if fix.name == name:
+            return fix
+    raise ValueError(f"unknown fix {name!r}: expected one of {', '.join(NAMES)}")
+
+
+def _select(names):
+    return FIXES if names is None else [get(name) for name in ([names] if isinstance(names, str) else names)]
+
+
+def disabled_from_env():
+    """Names switched off by ``MTP_OVERLAY_DISABLE=name,name`` or ``=all``."""
+    raw = {part.strip() for part in os.environ.get("MTP_OVERLAY_DISABLE", "").split(",") if part.strip()}
+    if "all" in raw:
+        return set(NAMES)
+    for name in raw:
+        get(name)  # an unknown name is a typo the user must hear about
+    return raw
+
+
+def install(only=None, skip=(), strict=None):
+    """Install the selected fixes: each waits for its target modules (at once if already imported).
+
+    ``only``/``skip``: fix names. ``strict`` (default ``MTP_OVERLAY_STRICT``): drift and hook failures
+    raise OverlayError instead of warning.
+    """
+    strict = strict_from_env() if strict is None else bool(strict)
+    skipped = {get(name).name for name in ([skip] if isinstance(skip, str) else skip)}
+    env_disabled = disabled_from_env()
+    for fix in _select(only):
+        if fix.name in env_disabled or fix.name in skipped:
+            why = "MTP_OVERLAY_DISABLE" if fix.name in env_disabled else "install(skip=...)"
+            fix.disabled_reason = f"disabled by {why}"
+            continue
+        fix.disabled_reason = None
+        fix.strict = strict
+        for target in fix.targets:
+            if hooks.when_imported(target, fix.on_import):
+                fix.late = True
+
+
+def uninstall(only=None):
+    """Remove the selected fixes: cancel waiting hooks, restore every original object."""
+    for fix in _select(only):
+        for target in fix.targets:
+            hooks.cancel(target, fix.on_import)
+        fix.uninstall()
+        fix.disabled_reason = "uninstalled"
+
+
+def status(only=None):
+    """One FixStatus per fix: state in State, upstream distribution and version, reason, late."""
+    rows = []
+    for fix in _select(only):
+        state, reason = fix.state()
+        version = distribution_version(fix.distribution)
+        if version is None and state == State.PENDING:
+            state, reason = State.ABSENT, f"{fix.distribution} is not installed"
+        rows.append(FixStatus(fix.name, fix.distribution, version, state, reason, fix.late))
+    return rows
