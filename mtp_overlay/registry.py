@@ -11,7 +11,6 @@ from .fix import FixStatus, State, distribution_version, strict_from_env
 from .fixes import device_broadcast, loss_mask, modules_cache, sp_scatter
 
 FIXES = [sp_scatter.FIX, loss_mask.FIX, modules_cache.FIX, device_broadcast.FIX]
-NAMES = [fix.name for fix in FIXES]
 
 
 def get(name):
@@ -19,7 +18,7 @@ def get(name):
     for fix in FIXES:
         if fix.name == name:
             return fix
-    raise ValueError(f"unknown fix {name!r}: expected one of {', '.join(NAMES)}")
+    raise ValueError(f"unknown fix {name!r}: expected one of {', '.join(fix.name for fix in FIXES)}")
 
 
 def _select(names):
@@ -30,7 +29,7 @@ def disabled_from_env():
     """Names switched off by ``MTP_OVERLAY_DISABLE=name,name`` or ``=all``."""
     raw = {part.strip() for part in os.environ.get("MTP_OVERLAY_DISABLE", "").split(",") if part.strip()}
     if "all" in raw:
-        return set(NAMES)
+        return {fix.name for fix in FIXES}
     for name in raw:
         get(name)  # an unknown name is a typo the user must hear about
     return raw

@@ -25,5 +25,5 @@ echo "setup.sh: building $venv with $python (a few minutes the first time)" >&2
 "$venv/bin/python" -m pip install -q -c scripts/constraints.txt torch
 "$venv/bin/python" -m pip install -q -c scripts/constraints.txt \
   megatron-core vllm transformers ray wrapt packaging pytest hypothesis
-"$venv/bin/python" -m pip install -q --no-deps -e .
+"$venv/bin/python" -m pip install -q --no-deps --config-settings editable_mode=compat -e .
 echo "$stamp_want" > "$venv/.mtp-overlay-stamp"

@@ -11,8 +11,6 @@ where upstream puts it (after the embedding call, before the `mtp_detach_heads` 
 release's return layout.
 """
 
-import inspect
-
 from ..fix import Fix, Provenance, drifted, needed, redundant
 
 TARGET = "megatron.core.transformer.multi_token_prediction"
@@ -37,6 +35,8 @@ EMBEDDING_POSITION = 2  # in args, after input_ids and position_ids (self is bou
 
 def signature_variant(function):
     """The release family whose `_get_embeddings` signature ``function`` has, or None."""
+    import inspect
+
     return SIGNATURES.get(tuple(inspect.signature(function).parameters))
 
 
@@ -80,7 +80,7 @@ class SPScatterFix(Fix):
         variant = signature_variant(method)
         if variant is None:
             known = "; ".join(f"{v}: {p}" for p, v in SIGNATURES.items())
-            return drifted(f"_get_embeddings{tuple(inspect.signature(method).parameters)} matches none of {known}")
+            return drifted(f"_get_embeddings{method.__code__.co_varnames[:method.__code__.co_argcount]} matches none of {known}")
         return needed(f"signature of megatron-core {variant}")
 
     def wrappers(self, module):

@@ -1,0 +1,70 @@
+"""Other upstream releases side by side with the venv's, cheaply: ``pip install --no-deps --target``.
+
+Each release lands once in its own folder under the cache (``MTP_OVERLAY_RELEASES``, default
+``~/.cache/mtp-overlay/releases``) and shares the venv's torch and every other dependency. Import it
+in a subprocess whose ``PYTHONPATH`` puts that folder first.
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+
+def cache_root():
+    default = Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")).expanduser() / "mtp-overlay" / "releases"
+    return Path(os.environ.get("MTP_OVERLAY_RELEASES", default))
+
+
+def release_site(distribution, version):
+    """Folder holding ``distribution==version`` alone, installed on first use."""
+    target = cache_root() / f"{distribution}-{version}"
+    if (target / ".complete").exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{distribution}-{version}-", dir=target.parent))
+    try:
+        subprocess.run(
+            [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-compile",
+             "--target", str(staging), f"{distribution}=={version}"],
+            check=True,
+        )
+        (staging / ".complete").touch()
+        shutil.rmtree(target, ignore_errors=True)
+        staging.rename(target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def run_with_release(site, code, env=None, timeout=600):
+    """Run ``python -c code`` with ``site`` first on the path; returns the CompletedProcess."""
+    environment = dict(os.environ if env is None else env)
+    environment["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), environment.get("PYTHONPATH")]))
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=environment, timeout=timeout
+    )
+
+
+def copy_installed(distribution, destination, site=None):
+    """Copy an installed distribution (its packages and dist-info) into ``destination``.
+
+    ``site`` selects a folder made by `release_site`; by default the running interpreter's install.
+    Returns ``destination``: a private copy to patch or break without touching the real one.
+    """
+    from importlib import metadata
+
+    found = metadata.distributions(name=distribution, **({"path": [str(site)]} if site else {}))
+    dist = next(iter(found), None)
+    if dist is None:
+        raise ValueError(f"distribution {distribution!r} is not installed{f' in {site}' if site else ''}")
+    root = Path(dist.locate_file(""))
+    destination = Path(destination)
+    for top in sorted({Path(f).parts[0] for f in dist.files or ()}):
+        source = root / top
+        if source.is_dir() and top != "..":
+            shutil.copytree(source, destination / top, dirs_exist_ok=True,
+                            ignore=shutil.ignore_patterns("__pycache__"))
+    return destination

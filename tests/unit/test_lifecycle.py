@@ -1,0 +1,275 @@
+"""The guarantees of the Fix lifecycle (issue #2), on a throwaway target module.
+
+The machinery is exercised on a small module written to tmp_path so each guarantee is cheap to
+check many times; the fixes themselves are proven against installed upstream code elsewhere.
+"""
+
+import importlib
+import json
+import subprocess
+import sys
+import threading
+import uuid
+import warnings
+
+import pytest
+import wrapt
+import wrapt.importer
+
+import mtp_overlay
+from mtp_overlay import OverlayError, OverlayWarning, State, hooks, registry
+from mtp_overlay.fix import Fix, Provenance, drifted, needed
+
+TARGET_SOURCE = """
+import time
+time.sleep({delay})
+
+class Target:
+    def compute(self, x):
+        return x + 1
+"""
+
+
+class DoublingFix(Fix):
+    """Doubles `Target.compute`; its probe can be told to fail or to report drift."""
+
+    name = "test-doubling"
+    summary = "test fix"
+    distribution = "pytest"
+    provenance = Provenance("tests")
+
+    def __init__(self, target, behaviour="needed"):
+        super().__init__()
+        self.targets = (target,)
+        self.behaviour = behaviour
+
+    def probe(self, module):
+        if self.behaviour == "raise":
+            raise RuntimeError("probe exploded")
+        if self.behaviour == "drift":
+            return drifted("Target.compute is gone")
+        return needed()
+
+    def wrappers(self, module):
+        def doubled(wrapped, instance, args, kwargs):
+            return 2 * wrapped(*args, **kwargs)
+
+        yield module.Target, "compute", doubled
+
+
+@pytest.fixture
+def target(tmp_path, monkeypatch):
+    """Name of a fresh, not yet imported module on sys.path."""
+
+    def make(delay=0.0):
+        name = f"overlay_target_{uuid.uuid4().hex[:12]}"
+        (tmp_path / f"{name}.py").write_text(TARGET_SOURCE.format(delay=delay))
+        return name
+
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield make
+
+
+@pytest.fixture
+def register(monkeypatch):
+    """Put test fixes in the registry for the duration of a test."""
+    added = []
+
+    def add(fix):
+        added.append(fix)
+        monkeypatch.setattr(registry, "FIXES", registry.FIXES + [fix])
+        return fix
+
+    yield add
+    for fix in added:
+        registry.uninstall(only=[fix.name])
+
+
+def raw(module):
+    return vars(module.Target)["compute"]
+
+
+def wrappers_around(obj):
+    return len(list(wrapt.wrapper_chain(obj))) - 1
+
+
+def test_import_pulls_in_no_upstream_and_no_wrapt():
+    code = (
+        "import sys, mtp_overlay; "
+        "heavy = ('torch', 'megatron', 'vllm', 'ray', 'transformers', 'wrapt', 'importlib.metadata'); "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in heavy or m in heavy))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_hook_waits_for_import_then_installs(target, register):
+    name = target()
+    fix = register(DoublingFix(name))
+    registry.install(only=[fix.name])
+    assert registry.status(only=[fix.name])[0].state == State.PENDING
+    module = importlib.import_module(name)
+    assert module.Target().compute(1) == 4
+    row = registry.status(only=[fix.name])[0]
+    assert (row.state, row.late) == (State.INSTALLED, False)
+
+
+def test_exception_in_hook_never_breaks_the_import(target, register):
+    fix = register(DoublingFix(target(), behaviour="raise"))
+    registry.install(only=[fix.name], strict=False)
+    with pytest.warns(OverlayWarning, match="probe exploded"):
+        module = importlib.import_module(fix.targets[0])
+    assert module.Target().compute(1) == 2  # upstream untouched and usable
+    row = registry.status(only=[fix.name])[0]
+    assert row.state == State.FAILED and "probe exploded" in row.reason
+
+
+def test_strict_mode_raises_on_hook_failure_and_drift(target, register):
+    fix = register(DoublingFix(target(), behaviour="raise"))
+    registry.install(only=[fix.name], strict=True)
+    with pytest.raises(OverlayError, match="probe exploded"):
+        importlib.import_module(fix.targets[0])
+
+    drifting = register(DoublingFix(target(), behaviour="drift"))
+    drifting.name = "test-drifting"
+    registry.install(only=[drifting.name], strict=True)
+    with pytest.raises(OverlayError, match="Target.compute is gone"):
+        importlib.import_module(drifting.targets[0])
+
+
+def test_drift_warns_and_leaves_upstream_alone(target, register):
+    fix = register(DoublingFix(target(), behaviour="drift"))
+    registry.install(only=[fix.name], strict=False)
+    with pytest.warns(OverlayWarning, match="Target.compute is gone"):
+        module = importlib.import_module(fix.targets[0])
+    assert module.Target().compute(1) == 2
+    assert registry.status(only=[fix.name])[0].state == State.DRIFTED
+
+
+def test_strict_from_environment(target, register, monkeypatch):
+    monkeypatch.setenv("MTP_OVERLAY_STRICT", "1")
+    fix = register(DoublingFix(target(), behaviour="drift"))
+    registry.install(only=[fix.name])
+    with pytest.raises(OverlayError):
+        importlib.import_module(fix.targets[0])
+
+
+def test_install_twice_never_stacks_and_uninstall_restores_identity(target, register):
+    name = target()
+    module = importlib.import_module(name)
+    original = raw(module)
+    fix = register(DoublingFix(name))
+    registry.install(only=[fix.name])
+    registry.install(only=[fix.name])
+    fix.install(module)
+    assert module.Target().compute(1) == 4  # doubled once, not four times
+    assert wrappers_around(raw(module)) == 1
+    registry.uninstall(only=[fix.name])
+    assert raw(module) is original
+    assert registry.status(only=[fix.name])[0].state == State.DISABLED
+
+
+def test_target_imported_before_the_overlay_is_patched_at_once_and_reported_late(target, register):
+    name = target()
+    module = importlib.import_module(name)
+    fix = register(DoublingFix(name))
+    registry.install(only=[fix.name])
+    assert module.Target().compute(1) == 4
+    row = registry.status(only=[fix.name])[0]
+    assert (row.state, row.late) == (State.INSTALLED, True)
+
+
+def test_concurrent_imports_end_with_exactly_one_wrapper(target, register):
+    name = target(delay=0.05)
+    fix = register(DoublingFix(name))
+    registry.install(only=[fix.name])
+    barrier = threading.Barrier(16)
+    modules, errors = [], []
+
+    def worker():
+        try:
+            barrier.wait()
+            modules.append(importlib.import_module(name))
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker) for _ in range(16)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors and len({id(m) for m in modules}) == 1
+    assert wrappers_around(raw(modules[0])) == 1
+    assert modules[0].Target().compute(1) == 4
+
+
+def test_thousand_install_uninstall_cycles_leave_no_residue(target, register):
+    pending_name, loaded_name = target(), target()
+    loaded = importlib.import_module(loaded_name)
+    original = raw(loaded)
+    pending_fix, loaded_fix = register(DoublingFix(pending_name)), register(DoublingFix(loaded_name))
+    loaded_fix.name = "test-loaded"
+    meta_path = list(sys.meta_path)
+    registry.install(only=[pending_fix.name])  # arms the hook machinery once
+    wrapt_hooks = {k: len(v) for k, v in wrapt.importer._post_import_hooks.items()}
+    for _ in range(1000):
+        registry.install(only=[pending_fix.name, loaded_fix.name])
+        registry.uninstall(only=[pending_fix.name, loaded_fix.name])
+    assert raw(loaded) is original
+    assert loaded_fix.wrapped() == [] and pending_fix.wrapped() == []
+    assert pending_name not in hooks.waiting()
+    assert len(sys.meta_path) <= len(meta_path) + 1  # at most the one lazy trigger or wrapt finder
+    assert {k: len(v) for k, v in wrapt.importer._post_import_hooks.items()} == wrapt_hooks
+    # and the pending hook still works after all that
+    registry.install(only=[pending_fix.name])
+    assert importlib.import_module(pending_name).Target().compute(1) == 4
+
+
+def test_disable_switch(monkeypatch):
+    monkeypatch.setenv("MTP_OVERLAY_DISABLE", "mtp-sp-scatter")
+    try:
+        registry.install(only=["mtp-sp-scatter"])
+        row = registry.status(only=["mtp-sp-scatter"])[0]
+        assert row.state == State.DISABLED and "MTP_OVERLAY_DISABLE" in row.reason
+    finally:
+        monkeypatch.delenv("MTP_OVERLAY_DISABLE")
+        registry.install(only=["mtp-sp-scatter"])
+    monkeypatch.setenv("MTP_OVERLAY_DISABLE", "mtp-sp-scater")
+    with pytest.raises(ValueError, match="unknown fix 'mtp-sp-scater'"):
+        registry.install()
+
+
+def test_disable_all_in_a_fresh_interpreter():
+    code = "import json, mtp_overlay; print(json.dumps([r.state for r in mtp_overlay.status()]))"
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**__import__("os").environ, "MTP_OVERLAY_DISABLE": "all"},
+    )
+    assert set(json.loads(out.stdout)) == {State.DISABLED}
+
+
+def test_status_cli_json_has_a_row_per_fix():
+    out = subprocess.run(
+        [sys.executable, "-m", "mtp_overlay.cli", "status", "--json"], capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    rows = json.loads(out.stdout)
+    assert [row["name"] for row in rows] == [fix.name for fix in mtp_overlay.FIXES]
+    assert all(row["state"] in vars(State).values() for row in rows)
+
+
+def test_unknown_fix_name_is_refused():
+    with pytest.raises(ValueError, match="expected one of mtp-sp-scatter"):
+        registry.install(only=["nope"])
+
+
+def test_warning_category_can_be_escalated(target, register):
+    fix = register(DoublingFix(target(), behaviour="drift"))
+    registry.install(only=[fix.name], strict=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", OverlayWarning)
+        with pytest.raises(OverlayWarning):
+            importlib.import_module(fix.targets[0])
