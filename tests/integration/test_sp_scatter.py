@@ -1,0 +1,104 @@
+"""mtp-sp-scatter on real megatron-core: the crash without the fix, TP1 parity with it (issue #3).
+
+A plain GPTModel built with ``scatter_embedding_sequence_parallel=False`` scatters its decoder input
+in its own forward (megatron-core 0.19, PR #5628) but its MTP layer never does: under TP2 with
+sequence parallelism the MTP concat fails. Every case runs the installed megatron-core on gloo ranks.
+"""
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from mtp_overlay.testing.launcher import run_ranks, run_ranks_checked
+from mtp_overlay.testing.releases import copy_installed, release_site
+
+FIX = "mtp-sp-scatter"
+NOT_SCATTERING = dict(sequence_parallel=True, scatter_embedding_sequence_parallel=False)
+PATCHES = Path(__file__).resolve().parents[2] / "patches" / "megatron-core" / FIX
+
+
+def train(**model_kwargs):
+    from mtp_overlay.testing.tiny_gpt import build_tiny_gpt, make_batch, train_step
+
+    return train_step(build_tiny_gpt(**model_kwargs), make_batch())
+
+
+def assert_same_losses(result, reference, rel=1e-5):
+    assert result.lm_loss == pytest.approx(reference.lm_loss, rel=rel)
+    assert result.mtp_losses == pytest.approx(reference.mtp_losses, rel=rel)
+    assert result.mtp_tokens == reference.mtp_tokens
+
+
+@pytest.fixture(scope="module")
+def tp1():
+    return run_ranks_checked(train, 1, fixes=[])[0]
+
+
+def test_tp2_sp_crashes_without_the_fix_and_matches_tp1_with_it(tp1):
+    stock = run_ranks(train, 2, tp=2, kwargs=NOT_SCATTERING, fixes=[])
+    assert all(r.error and "Sizes of tensors must match except in dimension 2" in r.error for r in stock), stock
+
+    fixed = run_ranks_checked(train, 2, tp=2, kwargs=NOT_SCATTERING, fixes=[FIX])
+    assert_same_losses(fixed[0], tp1)
+    assert fixed[0].grad_norm == pytest.approx(tp1.grad_norm, rel=1e-5)
+    assert fixed[0].zero_grad_params == ()  # MTP parameters are trained
+
+
+def test_tp2_cp2_sp_crashes_without_the_fix_and_matches_tp1_with_it(tp1):
+    stock = run_ranks(train, 4, tp=2, cp=2, kwargs=NOT_SCATTERING, fixes=[])
+    assert any(r.error and "Sizes of tensors must match" in r.error for r in stock), stock
+    fixed = run_ranks_checked(train, 4, tp=2, cp=2, kwargs=NOT_SCATTERING, fixes=[FIX])
+    assert_same_losses(fixed[0], tp1)
+
+
+def test_embedding_that_scatters_itself_is_left_alone():
+    scattering = dict(sequence_parallel=True, scatter_embedding_sequence_parallel=True)
+    stock = run_ranks_checked(train, 2, tp=2, kwargs=scattering, fixes=[])
+    hooked = run_ranks_checked(train, 2, tp=2, kwargs=scattering, fixes=[FIX])
+    assert hooked == stock  # bit-identical: the hook adds nothing
+
+
+def test_hook_equals_upstream_fix_under_detached_heads(tmp_path, monkeypatch):
+    """The hook and the upstream behaviour (our patch of PR #6256 on a copy) give identical steps."""
+    options = dict(NOT_SCATTERING, mtp_detach_heads=True)
+    hooked = run_ranks_checked(train, 2, tp=2, kwargs=options, fixes=[FIX])
+    site = copy_installed("megatron-core", tmp_path / "site")
+    subprocess.run(["git", "apply", "-p1", str(PATCHES / "0.19.patch")], cwd=site, check=True)
+    monkeypatch.syspath_prepend(str(site))  # spawned ranks import the patched copy
+    patched = run_ranks_checked(train, 2, tp=2, kwargs=options, fixes=[])
+    assert patched == hooked
+    assert hooked[0].group_grad_norms["mtp"] > 0
+
+
+def mtp_embeddings(decoder_input_index):
+    """Worker: the MTP layer's decoder input, stock and hooked, on this TP rank."""
+    import torch
+    from megatron.core import __version__, parallel_state
+    from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionLayer
+
+    from mtp_overlay.testing.tiny_gpt import build_tiny_gpt, make_batch
+
+    model = build_tiny_gpt(**NOT_SCATTERING)
+    batch = make_batch()
+    tp, rank = parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank()
+    seq, size = batch["input_ids"].shape[1], model.config.hidden_size
+    inputs = dict(input_ids=batch["input_ids"], position_ids=batch["position_ids"], embedding=model.embedding,
+                  hidden_states=torch.zeros(seq // tp, batch["input_ids"].shape[0], size))
+    layer = model.mtp.layers[0]
+    stock = MultiTokenPredictionLayer._get_embeddings.__wrapped__(layer, **inputs)[decoder_input_index]
+    hooked = layer._get_embeddings(**inputs)[decoder_input_index]
+    chunk = seq // tp
+    return __version__, tuple(stock.shape), tuple(hooked.shape), torch.equal(hooked, stock[rank * chunk : (rank + 1) * chunk])
+
+
+@pytest.mark.parametrize(("version", "decoder_input_index"), [("0.16.1", 2), ("0.18.2", 3)])
+def test_hook_scatters_on_older_releases(version, decoder_input_index, monkeypatch):
+    """0.16/0.18 GPTModel do not scatter a non-scattering embedding themselves (multimodal wrappers
+    do), so the check is at the MTP layer: its decoder input becomes this TP rank's sequence chunk."""
+    monkeypatch.syspath_prepend(str(release_site("megatron-core", version)))
+    results = run_ranks_checked(mtp_embeddings, 2, tp=2, args=(decoder_input_index,), fixes=[FIX])
+    for release, stock_shape, hooked_shape, is_chunk in results:
+        assert release == version
+        assert stock_shape == (32, 2, 64)  # stock: the full sequence against 16-token hidden states
+        assert hooked_shape == (16, 2, 64) and is_chunk
