@@ -8,22 +8,35 @@ import json
 import sys
 
 from . import registry
+from .patching import command as patch_command
 
 
-def _print_table(rows, columns):
+STATUS_COLUMNS = ["name", "distribution", "version", "state", "patched", "reason"]
+
+
+def print_table(rows, columns, out=print):
     widths = [max(len(str(row.get(c, ""))) for row in rows + [{c: c for c in columns}]) for c in columns]
-    print("  ".join(c.upper().ljust(w) for c, w in zip(columns, widths)).rstrip())
+    out("  ".join(c.upper().ljust(w) for c, w in zip(columns, widths)).rstrip())
     for row in rows:
-        print("  ".join(str(row.get(c, "")).ljust(w) for c, w in zip(columns, widths)).rstrip())
+        out("  ".join(str(row.get(c, "")).ljust(w) for c, w in zip(columns, widths)).rstrip())
+
+
+def print_status(statuses, out=print):
+    print_table([row.as_dict() for row in statuses], STATUS_COLUMNS, out)
 
 
 def _status(args):
-    rows = [row.as_dict() for row in registry.status()]
     if args.json:
-        print(json.dumps(rows, indent=2))
+        print(json.dumps([row.as_dict() for row in registry.status()], indent=2))
     else:
-        _print_table(rows, ["name", "distribution", "version", "state", "reason"])
+        print_status(registry.status())
     return 0
+
+
+def _demo(args):
+    from . import demo
+
+    return demo.main()
 
 
 def build_parser():
@@ -32,6 +45,9 @@ def build_parser():
     status = commands.add_parser("status", help="state of every fix in this process")
     status.add_argument("--json", action="store_true")
     status.set_defaults(run=_status)
+    demo = commands.add_parser("demo", help="the tiny GPT+MTP on 2 gloo ranks, each fix off and on")
+    demo.set_defaults(run=_demo)
+    patch_command.add_parser(commands)
     return parser
 
 

@@ -1,0 +1,51 @@
+"""The main job on an embedded default: a tiny stock-megatron-core GPT with one MTP layer trained for
+one step on 2 gloo ranks (TP2 + sequence parallel), with each fix off and on.
+
+Run with `scripts/demo.sh` or `mtp-overlay demo`. Uses the test bed (`mtp_overlay.testing`): CPU
+shims stand in for CUDA; the model, its MTP layer and the losses are megatron-core's own.
+"""
+
+from . import registry
+from .testing.launcher import run_ranks, run_ranks_checked
+
+SP_SCATTER = "mtp-sp-scatter"
+NOT_SCATTERING = dict(sequence_parallel=True, scatter_embedding_sequence_parallel=False)
+
+
+def train(**model_kwargs):
+    """One rank's training step on the embedded default batch."""
+    from .testing.tiny_gpt import build_tiny_gpt, make_batch, train_step
+
+    return train_step(build_tiny_gpt(**model_kwargs), make_batch())
+
+
+def _losses(step):
+    return f"loss {step.lm_loss:.5f}  MTP loss {step.mtp_loss:.5f}"
+
+
+def _last_line(error):
+    lines = [line for line in error.strip().splitlines() if line.strip()]
+    return lines[-1] if lines else error
+
+
+def main(out=print):
+    """Print the status table and the steps; return 0 when every fixed run matches TP1."""
+    from .cli import print_status
+
+    out("== mtp-overlay status (this process)")
+    print_status(registry.status(), out)
+    ok = True
+
+    out("\n== reference: TP1, no fix")
+    reference = run_ranks_checked(train, 1, fixes=[])[0]
+    out(f"   {_losses(reference)}")
+
+    out("\n== mtp-sp-scatter: TP2 + sequence parallel, GPTModel(scatter_embedding_sequence_parallel=False)")
+    stock = run_ranks(train, 2, tp=2, kwargs=NOT_SCATTERING, fixes=[])
+    failed = [r for r in stock if r.error]
+    out(f"   fix off: {'CRASH: ' + _last_line(failed[0].error) if failed else _losses(stock[0].value)}")
+    fixed = run_ranks_checked(train, 2, tp=2, kwargs=NOT_SCATTERING, fixes=[SP_SCATTER])[0]
+    match = abs(fixed.lm_loss - reference.lm_loss) < 1e-4 and abs(fixed.mtp_loss - reference.mtp_loss) < 1e-4
+    ok &= match and bool(failed)
+    out(f"   fix on:  {_losses(fixed)}  ({'matches TP1' if match else 'DIFFERS from TP1'})")
+    return 0 if ok else 1
