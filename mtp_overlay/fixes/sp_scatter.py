@@ -16,28 +16,47 @@ from ..fix import Fix, Provenance, drifted, needed, redundant
 TARGET = "megatron.core.transformer.multi_token_prediction"
 SCATTER = "scatter_to_sequence_parallel_region"
 
-# parameters of `_get_embeddings` by release; `embedding` is the third argument in every one
+# parameters of `_get_embeddings` by release -> (release family, index of decoder_input in its result);
+# `embedding` is the third argument in every one
+_BASE = ("self", "input_ids", "position_ids", "embedding", "hidden_states")
 SIGNATURES = {
-    ("self", "input_ids", "position_ids", "embedding", "hidden_states"): "0.14-0.15",
-    ("self", "input_ids", "position_ids", "embedding", "hidden_states", "packed_seq_params"): "0.16-0.17",
-    (
-        "self",
-        "input_ids",
-        "position_ids",
-        "embedding",
-        "hidden_states",
-        "packed_seq_params",
-        "padding_mask",
-    ): "0.18-0.19",
+    _BASE: ("0.14-0.15", 2),
+    _BASE + ("packed_seq_params",): ("0.16-0.17", 2),
+    _BASE + ("packed_seq_params", "padding_mask"): ("0.18-0.19", 3),
 }
 EMBEDDING_POSITION = 2  # in args, after input_ids and position_ids (self is bound by wrapt)
 
 
 def signature_variant(function):
-    """The release family whose `_get_embeddings` signature ``function`` has, or None."""
+    """(release family, decoder_input index) of the `_get_embeddings` signature ``function`` has, or None."""
     import inspect
 
     return SIGNATURES.get(tuple(inspect.signature(function).parameters))
+
+
+def stock_get_embeddings(layer_class):
+    """The upstream `_get_embeddings`, seen through this fix's own wrapper."""
+    method = vars(layer_class).get("_get_embeddings")
+    return getattr(method, "__wrapped__", method)
+
+
+def stock_mtp_input_lengths():
+    """Rank worker: per-rank sequence length of the MTP decoder input that stock `_get_embeddings`
+    returns for a non-scattering embedding under TP2+SP, and of the hidden states it meets."""
+    import torch
+    from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionLayer
+
+    from ..testing.tiny_gpt import build_tiny_gpt, make_batch
+
+    model = build_tiny_gpt(sequence_parallel=True, scatter_embedding_sequence_parallel=False)
+    batch = make_batch()
+    (batch_size, seq), tp = batch["input_ids"].shape, model.config.tensor_model_parallel_size
+    hidden = torch.zeros(seq // tp, batch_size, model.config.hidden_size)
+    method = stock_get_embeddings(MultiTokenPredictionLayer)
+    _, index = signature_variant(method)
+    result = method(model.mtp.layers[0], input_ids=batch["input_ids"], position_ids=batch["position_ids"],
+                    embedding=model.embedding, hidden_states=hidden)
+    return result[index].shape[0], hidden.shape[0]
 
 
 def embedding_scatters(embedding):
@@ -71,17 +90,25 @@ class SPScatterFix(Fix):
         layer = getattr(module, "MultiTokenPredictionLayer", None)
         if layer is None:
             return drifted(f"{TARGET} has no MultiTokenPredictionLayer")
-        method = vars(layer).get("_get_embeddings")
+        method = stock_get_embeddings(layer)
         if method is None:
             return drifted("MultiTokenPredictionLayer has no _get_embeddings method")
-        method = getattr(method, "__wrapped__", method)
         if SCATTER in method.__code__.co_names:
             return redundant(f"_get_embeddings already calls {SCATTER} (upstream PR #6256 or patched on disk)")
         variant = signature_variant(method)
         if variant is None:
             known = "; ".join(f"{v}: {p}" for p, v in SIGNATURES.items())
             return drifted(f"_get_embeddings{method.__code__.co_varnames[:method.__code__.co_argcount]} matches none of {known}")
-        return needed(f"signature of megatron-core {variant}")
+        return needed(f"signature of megatron-core {variant[0]}")
+
+    def reproduce(self):
+        from ..testing.launcher import run_ranks_checked
+
+        decoder, hidden = run_ranks_checked(stock_mtp_input_lengths, 2, tp=2, fixes=[])[0]
+        return decoder != hidden, (
+            f"TP2+SP, embedding not scattering: stock MTP decoder input holds {decoder} tokens per rank, "
+            f"the hidden states {hidden}"
+        )
 
     def wrappers(self, module):
         import wrapt
