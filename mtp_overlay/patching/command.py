@@ -1,0 +1,75 @@
+"""``mtp-overlay patch apply|check|revert``: the command-line face of the patch engine.
+
+Exit codes: 0 done; 1 a needed patch could not be applied or reverted (mismatch, failure), or a
+``--fail-on-*`` condition held; 2 usage (bad arguments, unreadable manifest, unknown interpreter).
+"""
+
+import json
+import sys
+
+
+def add_parser(commands):
+    """Add the ``patch`` subcommand to ``commands`` (an argparse subparsers object)."""
+    from .manifest import DEFAULT_PATH
+
+    patch = commands.add_parser(
+        "patch",
+        help="apply, check or revert the fixes' source patches in an installed environment",
+        description="Source patches on the installed upstream packages (for container builds). "
+        "Exit: 0 done, 1 a needed patch could not be applied (fail the build), 2 usage.",
+    )
+    patch.add_argument("action", choices=("apply", "check", "revert"))
+    patch.add_argument("--only", action="append", metavar="FIX", help="this fix only (repeatable)")
+    where = patch.add_mutually_exclusive_group()
+    where.add_argument("--site-packages", metavar="DIR", help="the site-packages folder to patch")
+    where.add_argument("--python", metavar="INTERPRETER", help="patch this interpreter's site-packages")
+    patch.add_argument("--dry-run", action="store_true", help="decide and verify everything, write nothing")
+    patch.add_argument("--json", action="store_true", help="one JSON object per fix, in a list")
+    patch.add_argument("--fail-on-redundant", action="store_true", help="exit 1 when a patch is already upstream")
+    patch.add_argument("--fail-on-needed", action="store_true", help="exit 1 when a patch is still not applied")
+    patch.add_argument("--manifest", default=str(DEFAULT_PATH), help="patch manifest (default: %(default)s)")
+    patch.set_defaults(run=run)
+    return patch
+
+
+def run(args):
+    from .engine import NEEDED, REDUNDANT, PatchError, run as run_engine
+    from .locate import site_dirs
+    from .manifest import ManifestError, load
+
+    try:
+        fixes = load(args.manifest).select(args.only)
+        dirs = site_dirs(python=args.python, site_packages=args.site_packages)
+        reports = run_engine(args.action, fixes, dirs, dry_run=args.dry_run)
+    except (ManifestError, ValueError) as exc:
+        print(f"mtp-overlay patch: {exc}", file=sys.stderr)
+        return 2
+    except PatchError as exc:
+        print(f"mtp-overlay patch: {exc}", file=sys.stderr)
+        return 1
+    rows = [report.as_dict() for report in reports]
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    else:
+        for row in rows:
+            _print_row(row)
+    failed = any(row["action"] in ("refused", "failed") or row["state"] == "mismatch" for row in rows)
+    failed |= args.fail_on_redundant and any(row["state"] == REDUNDANT for row in rows)
+    failed |= args.fail_on_needed and any(row["state"] == NEEDED for row in rows)
+    return 1 if failed else 0
+
+
+def _print_row(row):
+    where = f"{row['distribution']} {row['version']}" if row["version"] else row["distribution"]
+    variant = f", {row['variant']}" if row["variant"] else ""
+    action, state = row["action"], row["state"]
+    if action in ("patched", "reverted"):
+        outcome = f"{action} -> {state}"
+    elif action in ("skipped", "refused", "failed"):
+        outcome = f"{action} ({state})"
+    else:
+        outcome = action or state
+    print(f"{row['fix']} ({where}{variant}): {outcome}")
+    print(f"  {row['reason']}")
+    for entry in row["files"]:
+        print(f"  {row['site_packages']}/{entry['path']}  sha256 {entry['found']}")
