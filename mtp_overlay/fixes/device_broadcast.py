@@ -1,15 +1,224 @@
-"""PLACEHOLDER for fix device-normalized-broadcast (being written)."""
+"""device-normalized-broadcast: a vLLM weight-refit producer sends every tensor from the communicator's device.
 
-from ..fix import Fix, Provenance, needed
+vLLM's NCCL weight transfer packs each (name, tensor) of the trainer's export stream into one uint8
+buffer with ``torch.cat`` (``packed_tensor.pack_tensors``, called by ``packed_nccl_broadcast_producer``;
+``packed_broadcast_producer`` in older vLLM) and broadcasts it; the unpacked path of
+``NCCLTrainerWeightTransferEngine._broadcast`` sends tensors one by one. One host tensor in the stream
+(a non-learnable constant that never followed ``.to(device)``: an audio filterbank, image-normalization
+statistics) makes ``torch.cat`` refuse mixed devices, and an all-host chunk fails the communicator's
+device check. Found in NeMo-RL weight refit; no vLLM release normalizes devices.
+
+The producer owns its buffer's device: a tensor elsewhere (host, another accelerator index) is moved
+to the communicator's device; a tensor already there passes through untouched (no copy, no sync).
+Names, shapes, dtypes and bytes are unchanged. Every module binding of the producer is wrapped (the
+engine imports it by name), and `to_device_stream` does the same for trainers running their own
+producer (NeMo-RL's ``nemo_rl.utils.packed_tensor.packed_broadcast_producer``).
+"""
+
+import importlib
+
+from ..fix import Fix, Provenance, drifted, needed, redundant
+
+PACKED_TENSOR = "vllm.distributed.weight_transfer.packed_tensor"
+NCCL_ENGINE = "vllm.distributed.weight_transfer.nccl_engine"
+PRODUCERS = ("packed_nccl_broadcast_producer", "packed_broadcast_producer")  # vLLM 0.33.0, older vLLM
+PRODUCER_PARAMETERS = ("iterator", "group", "src", "post_iter_func")
+PACK_PARAMETERS = ("iterator", "post_iter_func", "buffer_size_bytes")
+ENGINE = "NCCLTrainerWeightTransferEngine"
+ENGINE_BROADCAST_PARAMETERS = ("self", "source", "meta")
 
 
-class _Placeholder(Fix):
+def canonical_device(device):
+    """``device`` as torch names its tensors (``"cuda"`` -> ``cuda:<current index>``); checks it is usable."""
+    import torch
+
+    if isinstance(device, bool) or not isinstance(device, (torch.device, str, int)):
+        raise TypeError(f"device must be a torch.device, str or int, got {type(device).__name__}: {device!r}")
+    try:
+        return torch.empty(0, device=device).device
+    except RuntimeError as exc:
+        raise ValueError(f"device {device!r} is not a device this process can allocate on: {exc}") from exc
+
+
+def on_device(tensor, device):
+    """``tensor`` itself when it already lives on ``device`` (canonical), else its copy there."""
+    return tensor if tensor.device == device else tensor.to(device)
+
+
+def to_device_stream(named_tensors, device):
+    """Yield each ``(name, tensor)`` of ``named_tensors`` with its tensor on ``device``.
+
+    For trainers that run their own producer: wrap the export stream before packing. Lazy, one pair
+    at a time; a tensor already on ``device`` is yielded as it is (same object, no copy).
+    """
+    device = canonical_device(device)
+    try:
+        pairs = iter(named_tensors)
+    except TypeError:
+        raise TypeError(
+            f"named_tensors must be an iterable of (name, tensor) pairs, got {type(named_tensors).__name__}"
+        ) from None
+    return _pairs_on_device(pairs, device)
+
+
+def _pairs_on_device(pairs, device):
+    import torch
+
+    for index, pair in enumerate(pairs):
+        if not (isinstance(pair, (tuple, list)) and len(pair) == 2 and isinstance(pair[1], torch.Tensor)):
+            raise TypeError(f"named_tensors[{index}] must be a (name, tensor) pair, got {pair!r:.200}")
+        yield pair[0], on_device(pair[1], device)
+
+
+def communicator_device(group):
+    """The communicator's device (vLLM's PyNcclCommunicator has ``device``), else the current
+    accelerator device the producer's streams use; None when there is neither."""
+    import torch
+
+    device = getattr(group, "device", None)
+    if device is not None:
+        return canonical_device(device)
+    if torch.accelerator.is_available():
+        return canonical_device(torch.accelerator.current_accelerator())
+    return None
+
+
+def normalizing_producer(wrapped, instance, args, kwargs):
+    """vLLM's packed producer; what ``post_iter_func`` hands to the buffer is on the communicator's device."""
+    call = _bind(wrapped, args, kwargs)
+    device = communicator_device(call.arguments["group"])
+    if device is not None:
+        post_iter_func = call.arguments["post_iter_func"]
+        call.arguments["post_iter_func"] = lambda item: on_device(post_iter_func(item), device)
+    return wrapped(*call.args, **call.kwargs)
+
+
+class SourceOnDevice:
+    """A vLLM WeightSource whose ``iter_full()`` yields its tensors on ``device``; the rest is delegated."""
+
+    def __init__(self, source, device):
+        self._source, self._device = source, device
+
+    def iter_full(self):
+        return to_device_stream(self._source.iter_full(), self._device)
+
+    def __getattr__(self, name):
+        return getattr(self._source, name)
+
+
+def normalizing_engine_broadcast(wrapped, instance, args, kwargs):
+    """``NCCLTrainerWeightTransferEngine._broadcast`` on a source normalized to its communicator's
+    device: covers the one-by-one path (and the packed one) whatever the producer binding."""
+    group = getattr(instance, "model_update_group", None)
+    if not instance.is_sender or group is None:
+        return wrapped(*args, **kwargs)
+    device = communicator_device(group)
+    if device is None:
+        return wrapped(*args, **kwargs)
+    call = _bind(wrapped, args, kwargs)
+    call.arguments["source"] = SourceOnDevice(call.arguments["source"], device)
+    return wrapped(*call.args, **call.kwargs)
+
+
+def _bind(function, args, kwargs):
+    import inspect  # not at import time: `import mtp_overlay` stays cheap (issue #2)
+
+    return inspect.signature(function).bind(*args, **kwargs)
+
+
+def _parameters(function):
+    import inspect
+
+    return tuple(inspect.signature(function).parameters)
+
+
+def _producer_drift(module):
+    """Why the producer bindings of ``module`` no longer fit the hook, or None."""
+    for name in PRODUCERS:
+        function = vars(module).get(name)
+        if function is not None and _parameters(function)[:4] != PRODUCER_PARAMETERS:
+            return f"{name}{_parameters(function)} no longer starts with {PRODUCER_PARAMETERS}"
+    return None
+
+
+def stock_packing_error(packed_tensor):
+    """What the real ``pack_tensors`` raises on a tiny host+meta stream; None when it packs it."""
+    import torch
+
+    stream = iter([("host", torch.zeros(2)), ("on_device", torch.zeros(2, device="meta"))])
+    try:
+        packed_tensor.pack_tensors(stream, lambda item: item[1], 1 << 20)
+    except RuntimeError as exc:
+        return str(exc)
+    return None
+
+
+def stock_packing_verdict(packed_tensor):
+    """Needed when stock ``pack_tensors`` refuses a host+meta stream, redundant when it packs it."""
+    pack = getattr(packed_tensor, "pack_tensors", None)
+    if pack is None:
+        return needed("no pack_tensors to probe (older vLLM packs in the producer); none normalizes devices")
+    if _parameters(pack)[:3] != PACK_PARAMETERS:
+        return drifted(f"pack_tensors{_parameters(pack)} no longer starts with {PACK_PARAMETERS}")
+    error = stock_packing_error(packed_tensor)
+    if error is not None:
+        return needed(f"stock pack_tensors refuses a host+meta stream: {error}")
+    return redundant("stock pack_tensors packs a host+meta stream: vLLM normalizes devices itself")
+
+
+class DeviceNormalizedBroadcastFix(Fix):
     name = "device-normalized-broadcast"
-    distribution = "placeholder"
-    provenance = Provenance("TBD")
+    summary = "Move every tensor of a vLLM weight-refit stream to the communicator's device before packing."
+    distribution = "vllm"
+    targets = (PACKED_TENSOR, NCCL_ENGINE)
+    provenance = Provenance(
+        origin="NeMo-RL (weight refit with a non-learnable host constant, e.g. an audio filterbank)",
+        upstream_fix=None,
+        first_fixed_release=None,
+    )
 
     def probe(self, module):
-        return needed()
+        if module.__name__ == NCCL_ENGINE:
+            engine = getattr(module, ENGINE, None)
+            broadcast = vars(engine).get("_broadcast") if engine is not None else None
+            if broadcast is None:
+                return drifted(f"{NCCL_ENGINE} has no {ENGINE}._broadcast (the one-by-one path)")
+            found = _parameters(broadcast)
+            if found != ENGINE_BROADCAST_PARAMETERS:
+                return drifted(f"{ENGINE}._broadcast{found} is no longer {ENGINE_BROADCAST_PARAMETERS}")
+        elif not any(name in vars(module) for name in PRODUCERS):
+            return drifted(f"{module.__name__} has neither {' nor '.join(PRODUCERS)}")
+        why = _producer_drift(module)
+        if why is not None:
+            return drifted(why)
+        packed_tensor = module if module.__name__ == PACKED_TENSOR else importlib.import_module(PACKED_TENSOR)
+        return stock_packing_verdict(packed_tensor)
+
+    def reproduce(self):
+        """Run stock ``pack_tensors`` (never hooked) on a host+meta stream."""
+        packed_tensor = importlib.import_module(PACKED_TENSOR)
+        if not hasattr(packed_tensor, "pack_tensors"):
+            raise RuntimeError("this vLLM packs inside its producer, which runs only on CUDA streams")
+        error = stock_packing_error(packed_tensor)
+        return error is not None, f"stock pack_tensors on a host+meta stream: {error or 'packed it'}"
+
+    def wrappers(self, module):
+        for name in PRODUCERS:
+            if name in vars(module):
+                self._unbind_other_wrapper(module, name)
+                yield module, name, normalizing_producer
+        if module.__name__ == NCCL_ENGINE:
+            yield getattr(module, ENGINE), "_broadcast", normalizing_engine_broadcast
+
+    def _unbind_other_wrapper(self, module, name):
+        """A ``from packed_tensor import ...`` run after packed_tensor was hooked bound our wrapper:
+        give that alias the original back, so it gets its own wrapper, restored on uninstall."""
+        if (module, name) in self._originals:
+            return
+        bound = vars(module)[name]
+        for (owner, attribute), original in self._originals.items():
+            if attribute == name and vars(owner).get(attribute) is bound:
+                setattr(module, name, original)
 
 
-FIX = _Placeholder()
+FIX = DeviceNormalizedBroadcastFix()
