@@ -1,0 +1,49 @@
+"""Test bed: stock megatron-core MTP models on spawned gloo ranks, on a CPU machine (or CUDA).
+
+Not part of the overlay proper: ``import mtp_overlay`` never imports this package, and importing it
+imports neither torch nor megatron (the submodules do that inside their functions).
+
+Usage (``fn`` must be a module-level function, its arguments and return value picklable)::
+
+    from mtp_overlay.testing.launcher import run_ranks, run_ranks_checked
+    from mtp_overlay.testing.tiny_gpt import build_tiny_gpt, make_batch, train_step, cp_slice
+
+    def step(**model_kwargs):               # runs on every rank
+        model = build_tiny_gpt(**model_kwargs)  # TP/CP sizes from parallel_state
+        return train_step(model, make_batch())  # StepResult of plain floats, same on all ranks
+
+    base = run_ranks_checked(step, 1)[0]
+    tp2 = run_ranks_checked(step, 2, tp=2, kwargs=dict(sequence_parallel=True))[0]
+    cp2 = run_ranks_checked(step, 2, cp=2)[0]
+    assert abs(tp2.lm_loss - base.lm_loss) < 1e-5 and abs(cp2.mtp_loss - base.mtp_loss) < 1e-5
+
+    # a fix off / on in the workers; a failing rank comes back as RankResult.error (traceback text)
+    results = run_ranks(step, 2, tp=2, fixes=[], kwargs=dict(
+        sequence_parallel=True, scatter_embedding_sequence_parallel=False))
+    assert "Sizes of tensors must match" in results[0].error
+
+* ``run_ranks(fn, world_size, *, tp=1, cp=1, args=(), kwargs=None, fixes=None, timeout=300,
+  seed=1234, device="cpu") -> list[RankResult]`` (rank, value, error). ``fixes``: None keeps what
+  ``import mtp_overlay`` installed, a list installs exactly those fixes, ``[]`` none.
+  ``run_ranks_checked`` returns the values or raises ``RanksFailed`` with every rank's traceback.
+* ``build_tiny_gpt(*, seed, sequence_parallel, scatter_embedding_sequence_parallel, mtp_num_layers,
+  hidden_size=64, num_attention_heads=4, num_layers=2, vocab_size=128, max_sequence_length=64,
+  **config_overrides)``: GPTModel, local spec, RoPE, identical full weights at any TP/CP.
+* ``make_batch(*, batch_size=2, seq_length=32, vocab_size=128, seed=0)``: full-length dict of
+  input_ids, labels, position_ids, loss_mask. ``cp_slice(batch_or_tensor)``: this CP rank's share
+  (upstream's load-balanced layout).
+* ``train_step(model, batch, **forward_kwargs) -> StepResult``: lm_loss, mtp_losses / mtp_loss,
+  mtp_tokens, mtp_acceptance, grad_norm, group_grad_norms, zero_grad_params; identical on all ranks.
+  ``batch`` is full-length (CP-sliced inside); ``forward_kwargs`` go to ``GPTModel.forward``
+  verbatim (``labels=None``; a ``loss_mask`` for MTP, CP-local via ``cp_slice``). Gradients are
+  finalised the way Megatron's schedule does it (see its docstring): with an all-ones mask CP2
+  matches TP1 in losses exactly, in MTP gradients only to ~1e-3 (Megatron's per-CP-rank MTP token
+  normalisation); TP2+SP matches TP1 in everything.
+* ``cpu_shims``: the CPU stand-ins (SPEC section 4), installed by ``run_ranks`` on CPU; test
+  scaffolding only, ``cpu_shims()`` context manager or ``install()`` / ``uninstall()``.
+* pytest: the ``mtp_run_ranks`` fixture is ``run_ranks``; ``@pytest.mark.gpu`` tests are skipped
+  without CUDA (plugin ``mtp_overlay.testing.plugin``, registered as a pytest11 entry point).
+
+Measured on 2 shared cores: 5-6 s per run at TP1, TP2+SP or CP2 and ~13 s at TP2xCP2+SP when idle
+(10-20 s under load); almost all of it is importing torch and megatron-core in each process.
+"""

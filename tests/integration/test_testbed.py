@@ -1,0 +1,239 @@
+"""The test bed itself: stock megatron-core 0.19.x MTP on spawned gloo ranks (mtp_overlay.testing).
+
+Parity is the proof that the launcher, the CPU shims and train_step are right: the same weights and
+batch give the same LM and MTP loss (and gradients) at TP1, TP2+SP, CP2 and TP2xCP2+SP.
+"""
+
+import math
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from mtp_overlay.testing.launcher import RankResult, RanksFailed, run_ranks, run_ranks_checked
+
+SEQ_LENGTH = 32  # make_batch's default
+BATCH_SIZE = 2
+
+
+# Masking MTP position 8 (its depth-1 target, token 9, sits on CP rank 1) balances the sequence's last
+# position, which has no target and sits on CP rank 0: both CP ranks then hold 15 valid MTP positions
+# per row, Megatron's per-rank MTP normalisation agrees with the global one and every gradient must
+# match TP1's (which checks the shimmed CP attention's backward through the K/V all-gather too).
+BALANCING_MASK_ZERO = 9
+STEPS = ("default", "balanced", "rl")
+
+
+def train(**model_kwargs):
+    """Worker: build the tiny GPT, then three train_steps on the default batch.
+
+    "default": the batch as made (the MTP loss_mask is the batch's all-ones mask).
+    "balanced": the MTP loss_mask (CP-sliced, passed to GPTModel.forward) is 0 at BALANCING_MASK_ZERO.
+    "rl": no labels (as an RL trainer calls it): the model returns logits, Megatron derives the MTP
+    labels from input_ids.
+    """
+    import torch
+
+    from mtp_overlay.testing.tiny_gpt import build_tiny_gpt, cp_slice, make_batch, train_step
+
+    model = build_tiny_gpt(**model_kwargs)
+    batch = make_batch(batch_size=BATCH_SIZE, seq_length=SEQ_LENGTH)
+    mask = torch.ones(BATCH_SIZE, SEQ_LENGTH)
+    mask[:, BALANCING_MASK_ZERO] = 0
+    return {
+        "default": train_step(model, batch),
+        "balanced": train_step(model, batch, loss_mask=cp_slice(mask)),
+        "rl": train_step(model, batch, labels=None),
+    }
+
+
+def assert_same_step(result, reference, *, rel=1e-5, grads=True):
+    assert result.lm_loss == pytest.approx(reference.lm_loss, rel=rel)
+    assert result.mtp_losses == pytest.approx(reference.mtp_losses, rel=rel)
+    assert result.mtp_tokens == reference.mtp_tokens
+    assert result.zero_grad_params == ()
+    if grads:
+        assert result.grad_norm == pytest.approx(reference.grad_norm, rel=rel)
+        assert result.group_grad_norms == pytest.approx(reference.group_grad_norms, rel=rel)
+
+
+def assert_ranks_agree(values):
+    assert all(value == values[0] for value in values[1:]), values
+
+
+@pytest.fixture(scope="module")
+def tp1():
+    return run_ranks_checked(train, 1)[0]
+
+
+@pytest.fixture(scope="module")
+def cp2():
+    results = run_ranks_checked(train, 2, cp=2)
+    assert_ranks_agree(results)
+    return results[0]
+
+
+def test_tp1_trains_lm_and_mtp(tp1):
+    default, balanced = tp1["default"], tp1["balanced"]
+    # a random-init model predicts uniformly: cross entropy near ln(vocab)
+    assert default.lm_loss == pytest.approx(math.log(128), abs=0.3)
+    assert len(default.mtp_losses) == 1 and default.mtp_loss == pytest.approx(math.log(128), abs=0.3)
+    # depth 1 scores position i against token i+2: the last position of each row has none
+    assert default.mtp_tokens == (BATCH_SIZE * (SEQ_LENGTH - 1),)
+    assert balanced.mtp_tokens == (BATCH_SIZE * (SEQ_LENGTH - 2),)
+    assert balanced.lm_loss == default.lm_loss and balanced.mtp_loss != default.mtp_loss
+    # without labels the LM loss is the same, computed here from the logits; MTP labels rolled out of
+    # input_ids lack the text's last token, so one more position per row has no target
+    rl = tp1["rl"]
+    assert rl.lm_loss == pytest.approx(default.lm_loss, rel=1e-6)
+    assert rl.mtp_tokens == (BATCH_SIZE * (SEQ_LENGTH - 2),)
+    for result in (default, balanced, rl):
+        assert result.zero_grad_params == ()
+        assert all(norm > 0 for norm in result.group_grad_norms.values()), result.group_grad_norms
+
+
+def test_tp2_sequence_parallel_matches_tp1(tp1):
+    results = run_ranks_checked(train, 2, tp=2, kwargs=dict(sequence_parallel=True))
+    assert_ranks_agree(results)
+    for step in STEPS:
+        assert_same_step(results[0][step], tp1[step])
+
+
+def test_cp2_matches_tp1(tp1, cp2):
+    assert_same_step(cp2["balanced"], tp1["balanced"])
+    # otherwise the losses are exact, the MTP gradients not quite, as Megatron normalises each CP
+    # rank's MTP loss by its own valid-token count (rank 0 holds the positions without a target)
+    for step in ("default", "rl"):
+        assert_same_step(cp2[step], tp1[step], grads=False)
+        assert cp2[step].grad_norm == pytest.approx(tp1[step].grad_norm, rel=1e-3)
+        assert cp2[step].grad_norm != pytest.approx(tp1[step].grad_norm, rel=1e-6)
+
+
+@pytest.mark.slow
+def test_tp2_cp2_sequence_parallel_matches_tp1_and_cp2(tp1, cp2):
+    results = run_ranks_checked(train, 4, tp=2, cp=2, kwargs=dict(sequence_parallel=True))
+    assert_ranks_agree(results)
+    assert_same_step(results[0]["balanced"], tp1["balanced"])
+    assert_same_step(results[0]["default"], cp2["default"])
+    assert_same_step(results[0]["rl"], cp2["rl"])
+
+
+@pytest.mark.gpu
+def test_cuda_tp1_matches_cpu(tp1):
+    result = run_ranks_checked(train, 1, device="cuda")[0]
+    for step in STEPS:
+        assert_same_step(result[step], tp1[step], rel=1e-4)
+
+
+def fail_on_rank(rank_to_fail, how):
+    """Worker: rank ``rank_to_fail`` raises (how="raise") or dies (how="exit"); after a death the
+    other ranks wait in a barrier for it."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    if rank == rank_to_fail:
+        if how == "raise":
+            raise ValueError(f"boom on rank {rank}")
+        os._exit(3)
+    if how == "exit":
+        dist.barrier()
+    return rank
+
+
+def test_failing_rank_reports_its_traceback():
+    with pytest.raises(RanksFailed) as failure:
+        run_ranks_checked(fail_on_rank, 2, args=(1, "raise"), timeout=120)
+    results = failure.value.results
+    assert results[0] == RankResult(0, value=0)
+    assert results[1].rank == 1 and results[1].value is None
+    assert "ValueError: boom on rank 1" in results[1].error and "fail_on_rank" in results[1].error
+    assert "1 of 2 ranks failed" in str(failure.value) and "boom on rank 1" in str(failure.value)
+
+
+def test_crashed_rank_does_not_hang_the_others():
+    started = time.monotonic()
+    results = run_ranks(fail_on_rank, 2, args=(1, "exit"), timeout=300)
+    assert time.monotonic() - started < 120  # far below the timeout: the barrier did not hang us
+    assert results[1] == RankResult(1, error="rank 1 died without a result (exit code 3)")
+    assert not results[0].ok  # its barrier partner died: gloo fails it, or it is killed
+
+
+def test_timeout_kills_the_ranks():
+    results = run_ranks(fail_on_rank, 1, args=(-1, "raise"), timeout=0.5)  # startup alone takes longer
+    assert results == [RankResult(0, error="rank 0 was killed after the 0.5 s timeout: it never returned")]
+
+
+def fix_states():
+    """Worker: the state of each megatron-core fix once its target module is imported."""
+    import megatron.core.transformer.multi_token_prediction  # noqa: F401
+
+    import mtp_overlay
+
+    return {row.name: row.state for row in mtp_overlay.status() if row.distribution == "megatron-core"}
+
+
+def test_fixes_selects_what_the_workers_install():
+    states = run_ranks_checked(fix_states, 1, fixes=["mtp-sp-scatter"])[0]
+    assert states.pop("mtp-sp-scatter") == "installed"
+    assert states and all(state == "disabled" for state in states.values()), states
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (dict(world_size=3, tp=2), "world_size (3) must be a multiple of tp * cp (2 * 1)"),
+        (dict(world_size=0), "world_size must be a positive int"),
+        (dict(world_size=1, fixes=["no-such-fix"]), "unknown fix 'no-such-fix'"),
+        (dict(world_size=1, device="tpu"), "device must be one of"),
+        (dict(world_size=1, timeout=0), "timeout must be a positive number"),
+    ],
+)
+def test_bad_arguments_are_refused_before_spawning(options, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("*", r"\*")):
+        run_ranks(fail_on_rank, **options)
+
+
+def test_cpu_shims_install_and_restore_the_originals():
+    from mtp_overlay.testing import cpu_shims
+
+    shims = cpu_shims.shims()
+    originals = [vars(shim.owner)[shim.attribute] for shim in shims]
+    with cpu_shims.cpu_shims():
+        assert cpu_shims.installed()
+        import torch
+
+        assert torch.cuda.current_device() == torch.device("cpu")
+        assert all(vars(s.owner)[s.attribute] is not o for s, o in zip(shims, originals))
+    assert not cpu_shims.installed()
+    assert all(vars(s.owner)[s.attribute] is o for s, o in zip(shims, originals))
+
+
+def test_plugin_skips_gpu_tests_without_cuda_and_serves_the_launcher(tmp_path):
+    import torch
+
+    (tmp_path / "test_user.py").write_text(
+        "import pytest\n"
+        "from mtp_overlay.testing.launcher import run_ranks\n"
+        "@pytest.mark.gpu\n"
+        "def test_needs_gpu():\n"
+        "    import torch\n"
+        "    assert torch.cuda.is_available()\n"
+        "def test_fixture(mtp_run_ranks):\n"
+        "    assert mtp_run_ranks is run_ranks\n"
+    )
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+    )
+    expected = "2 passed" if torch.cuda.is_available() else "1 passed, 1 skipped"
+    assert expected in run.stdout, run.stdout + run.stderr
+
+
+def test_unpicklable_function_is_refused_before_any_rank_starts():
+    with pytest.raises(Exception, match="pickle"):
+        run_ranks(lambda: 0, 2)
