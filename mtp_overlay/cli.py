@@ -7,7 +7,7 @@ import argparse
 import json
 import sys
 
-from . import registry
+from . import registry, startup
 from .patching import command as patch_command
 
 
@@ -33,6 +33,16 @@ def _status(args):
     return 0
 
 
+def _check(args):
+    rows = registry.check(args.only)
+    if args.json:
+        print(json.dumps([row.as_dict() for row in rows], indent=2))
+    else:
+        print_table([row.as_dict() for row in rows], ["name", "distribution", "version", "state", "reason"])
+    failing = {"drifted", "failed"} | ({"redundant"} if args.fail_on_redundant else set())
+    return 1 if any(row.state in failing for row in rows) else 0
+
+
 def _demo(args):
     from . import demo
 
@@ -45,9 +55,15 @@ def build_parser():
     status = commands.add_parser("status", help="state of every fix in this process")
     status.add_argument("--json", action="store_true")
     status.set_defaults(run=_status)
+    check = commands.add_parser("check", help="probe every fix against the installed upstream (for CI)")
+    check.add_argument("--json", action="store_true")
+    check.add_argument("--only", action="append", metavar="FIX", help="this fix only (repeatable)")
+    check.add_argument("--fail-on-redundant", action="store_true", help="exit 1 when a fix is already upstream")
+    check.set_defaults(run=_check)
     demo = commands.add_parser("demo", help="the tiny GPT+MTP on 2 gloo ranks, each fix off and on")
     demo.set_defaults(run=_demo)
     patch_command.add_parser(commands)
+    startup.add_parser(commands)
     return parser
 
 

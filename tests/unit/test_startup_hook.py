@@ -1,0 +1,129 @@
+"""The process-startup hook: install/uninstall/status, and real interpreters starting with it."""
+
+import os
+import pathlib
+import site
+import subprocess
+import sys
+
+import pytest
+
+from mtp_overlay import cli, startup
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+
+
+def test_install_is_idempotent_and_uninstall_leaves_nothing(tmp_path):
+    (tmp_path / "other.pth").write_text("/somewhere\n")
+    before = sorted(os.listdir(tmp_path))
+    path = startup.install(tmp_path)
+    assert path == str(tmp_path / startup.PTH_NAME)
+    assert pathlib.Path(path).read_text() == startup.PTH_TEXT
+    first = os.stat(path)
+    assert startup.install(tmp_path) == path
+    again = os.stat(path)
+    assert (again.st_ino, again.st_mtime_ns) == (first.st_ino, first.st_mtime_ns)  # left untouched
+    assert sorted(os.listdir(tmp_path)) == sorted(before + [startup.PTH_NAME])  # no temporary left over
+    assert startup.status(tmp_path) == {"installed": True, "current": True, "path": path}
+    assert startup.uninstall(tmp_path) == path
+    assert sorted(os.listdir(tmp_path)) == before
+    assert startup.uninstall(tmp_path) is None
+    assert startup.status(tmp_path) == {"installed": False, "current": False, "path": path}
+
+
+def test_outdated_file_is_reported_and_rewritten(tmp_path):
+    stale = tmp_path / startup.PTH_NAME
+    stale.write_text("import mtp_overlay\n")
+    assert startup.status(tmp_path)["current"] is False
+    startup.install(tmp_path)
+    assert stale.read_text() == startup.PTH_TEXT
+
+
+def test_missing_site_packages_is_a_value_error(tmp_path):
+    with pytest.raises(ValueError, match="site_packages: .* is not an existing directory"):
+        startup.install(tmp_path / "missing")
+
+
+def test_default_is_a_site_directory_of_this_interpreter():
+    folder = os.path.dirname(startup.status()["path"])
+    assert folder in site.getsitepackages()
+
+
+def test_hooks_folder_ships_the_same_file():
+    assert (REPO / "hooks" / startup.PTH_NAME).read_text() == startup.PTH_TEXT
+
+
+def test_cli(tmp_path, capsys):
+    assert cli.main(["startup-hook", "status", "--site-packages", str(tmp_path)]) == 0
+    assert capsys.readouterr().out == f"not installed: {tmp_path / startup.PTH_NAME}\n"
+    assert cli.main(["startup-hook", "install", "--site-packages", str(tmp_path)]) == 0
+    assert cli.main(["startup-hook", "install", "--site-packages", str(tmp_path)]) == 0
+    assert cli.main(["startup-hook", "status", "--site-packages", str(tmp_path)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out == [f"installed: {tmp_path / startup.PTH_NAME}"] * 3
+    assert cli.main(["startup-hook", "uninstall", "--site-packages", str(tmp_path)]) == 0
+    assert capsys.readouterr().out == f"removed: {tmp_path / startup.PTH_NAME}\n"
+    assert os.listdir(tmp_path) == []
+    assert cli.main(["startup-hook", "install", "--site-packages", str(tmp_path / "nope")]) == 2
+    assert "is not an existing directory" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def fresh_venv(tmp_path_factory):
+    """A new virtual environment (no pip); returns (python, site-packages)."""
+    root = tmp_path_factory.mktemp("venv")
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root)], check=True)
+    python = root / "bin" / "python"
+    site_packages = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True, text=True, check=True,
+    ).stdout.strip()
+    return python, pathlib.Path(site_packages)
+
+
+def _start(python, *code):
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "MTP_OVERLAY_DISABLE")}
+    return subprocess.run([str(python), "-c", *code], capture_output=True, text=True, env=env, timeout=60)
+
+
+def test_every_interpreter_of_the_environment_imports_the_overlay_first(fresh_venv):
+    python, site_packages = fresh_venv
+    source = site_packages / "_mtp_source.pth"  # sorts before ours: makes this checkout importable
+    source.write_text(f"{REPO}\n")
+    probe = "import sys; print('mtp_overlay' in sys.modules, getattr(sys.modules.get('mtp_overlay'), '__file__', None))"
+    try:
+        assert _start(python, probe).stdout.startswith("False")  # nothing without the hook
+        startup.install(site_packages)
+        started = _start(python, probe)
+        assert started.returncode == 0 and started.stderr == ""
+        assert started.stdout.split() == ["True", str(REPO / "mtp_overlay" / "__init__.py")]
+        # a child of a child: each interpreter of the environment runs the hook by itself
+        nested = _start(python, f"import subprocess, sys; subprocess.run([sys.executable, '-c', {probe!r}])")
+        assert nested.stdout.startswith("True")
+        startup.uninstall(site_packages)
+        assert _start(python, probe).stdout.startswith("False")
+    finally:
+        startup.uninstall(site_packages)
+        source.unlink()
+
+
+def test_a_broken_overlay_never_breaks_the_interpreter(fresh_venv, tmp_path):
+    python, site_packages = fresh_venv
+    broken = tmp_path / "mtp_overlay"
+    broken.mkdir()
+    (broken / "__init__.py").write_text("raise RuntimeError('overlay is broken')\n")
+    source = site_packages / "_mtp_source.pth"
+    source.write_text(f"{tmp_path}\n")
+    try:
+        startup.install(site_packages)
+        started = _start(python, "print('alive')")
+        assert started.returncode == 0 and started.stdout == "alive\n"
+        # CPython 3.12's site runs a venv's .pth lines twice (venv(), then addsitepackages()), so the
+        # line may repeat; it is the only output
+        assert set(started.stderr.splitlines()) == {
+            "mtp-overlay startup hook: import mtp_overlay failed (RuntimeError: overlay is broken); "
+            "continuing without it"
+        }
+    finally:
+        startup.uninstall(site_packages)
+        source.unlink()
