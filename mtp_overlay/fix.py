@@ -73,11 +73,12 @@ class Provenance:
 class FixStatus:
     """One row of `mtp_overlay.status()`."""
 
-    __slots__ = ("name", "distribution", "version", "state", "reason", "late")
+    __slots__ = ("name", "distribution", "version", "state", "reason", "late", "patched")
 
-    def __init__(self, name, distribution, version, state, reason, late):
+    def __init__(self, name, distribution, version, state, reason, late, patched=None):
         self.name, self.distribution, self.version = name, distribution, version
         self.state, self.reason, self.late = state, reason, late
+        self.patched = patched  # source patch on disk: True, False, None (no variant for this install)
 
     def as_dict(self):
         return {name: getattr(self, name) for name in self.__slots__}
@@ -103,7 +104,22 @@ class Fix:
     distribution = ""  # upstream distribution, as importlib.metadata names it
     targets = ()  # modules whose import installs the fix
     provenance = None
-    patches = ()  # source-patch variants for `mtp-overlay patch`
+
+    def expected_state(self, version):
+        """``redundant`` from the first upstream release carrying the fix on, ``needed`` before it."""
+        from packaging.version import Version
+
+        fixed_in = self.provenance.first_fixed_release if self.provenance else None
+        if fixed_in is not None and Version(version) >= Version(fixed_in):
+            return Verdict.REDUNDANT
+        return Verdict.NEEDED
+
+    @property
+    def patches(self):
+        """Source-patch variants for `mtp-overlay patch`, read from patches/manifest.json on first use."""
+        from .patching.manifest import variants_for
+
+        return variants_for(self.name)
 
     def __init__(self):
         self._lock = RLock()
@@ -121,6 +137,13 @@ class Fix:
     def wrappers(self, module):
         """Yield ``(owner, attribute, wrapper)``: wrapt-style wrappers to put on ``module``."""
         return ()
+
+    def reproduce(self):
+        """Run the stock upstream code path with this fix off; return (bug shows, evidence text).
+
+        The behavioural half of upstream tracking: `probe` reads the code, this runs it.
+        """
+        raise NotImplementedError
 
     # --- shared lifecycle ------------------------------------------------------------------
     def on_import(self, module):

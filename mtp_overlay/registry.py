@@ -66,12 +66,58 @@ def uninstall(only=None):
 
 
 def status(only=None):
-    """One FixStatus per fix: state in State, upstream distribution and version, reason, late."""
+    """One FixStatus per fix: state in State, upstream distribution and version, reason, late, and
+    ``patched``: whether the fix's source patch is on disk (None when no variant fits the install)."""
+    from .patching.engine import patched_on_disk
+
     rows = []
     for fix in _select(only):
         state, reason = fix.state()
         version = distribution_version(fix.distribution)
         if version is None and state == State.PENDING:
             state, reason = State.ABSENT, f"{fix.distribution} is not installed"
-        rows.append(FixStatus(fix.name, fix.distribution, version, state, reason, fix.late))
+        patched = patched_on_disk(fix) if version is not None else None
+        rows.append(FixStatus(fix.name, fix.distribution, version, state, reason, fix.late, patched))
+    return rows
+
+
+def check(only=None):
+    """Probe every fix against the installed upstream code (imports its targets): the CI question.
+
+    One FixStatus per fix, state in needed / redundant / drifted / failed / absent. A target module
+    missing from the installed release is skipped; all of them missing is drift.
+    """
+    import importlib
+
+    from .fix import Verdict, drifted
+
+    rows = []
+    for fix in _select(only):
+        version = distribution_version(fix.distribution)
+        if version is None:
+            rows.append(FixStatus(fix.name, fix.distribution, None, State.ABSENT, f"{fix.distribution} is not installed", False))
+            continue
+        verdicts, missing = [], []
+        for target in fix.targets:
+            try:
+                module = importlib.import_module(target)
+            except ModuleNotFoundError as exc:
+                if exc.name and target.startswith(exc.name):
+                    missing.append(target)
+                    continue
+                verdicts.append((target, Verdict(State.FAILED, f"import failed: {exc}")))
+                continue
+            except Exception as exc:
+                verdicts.append((target, Verdict(State.FAILED, f"import failed: {type(exc).__name__}: {exc}")))
+                continue
+            try:
+                verdicts.append((target, fix.probe(module)))
+            except Exception as exc:
+                verdicts.append((target, Verdict(State.FAILED, f"probe raised {type(exc).__name__}: {exc}")))
+        if not verdicts:
+            verdicts.append((", ".join(missing), drifted("no target module exists in this release")))
+        order = (State.FAILED, State.DRIFTED, Verdict.NEEDED, State.REDUNDANT)
+        state = next(s for s in order if any(v.state == s for _, v in verdicts))
+        reason = "; ".join(f"{t}: {v.reason}" if v.reason else t for t, v in verdicts if v.state == state)
+        rows.append(FixStatus(fix.name, fix.distribution, version, state, reason, False))
     return rows

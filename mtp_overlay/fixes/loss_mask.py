@@ -1,15 +1,173 @@
-"""PLACEHOLDER for fix mtp-loss-mask (being written)."""
+"""mtp-loss-mask: the MTP head trains only on response tokens of kept samples, in the tokens' layout.
 
-from ..fix import Fix, Provenance, needed
+megatron-core 0.19.x: a forward without ``labels`` (RL: the loss lives outside Megatron) derives
+the MTP labels by rolling ``input_ids`` (Megatron-LM PR #3457) and weights them by ``loss_mask``,
+all ones when none is given, so prompt tokens, padding and zero-weight samples train the MTP head.
+NeMo-RL's fix (PR #3494) hands a ``token_mask * sample_mask`` loss mask in exactly the layout of
+the ``input_ids``.
+
+The hook on ``GPTModel.forward`` and ``HybridModel.forward``:
+- a mask scoped by the trainer (``mtp_overlay.mtp.loss_mask_scope``) reaches the model as
+  ``loss_mask`` when the caller passes none (MTP models, ``labels=None`` only);
+- every ``loss_mask`` reaching the model is checked against the tokens' layout (same shape as
+  ``input_ids``; packed input: zeros in every padding slot; and, while megatron-core rolls packed
+  MTP tensors by ``cu_seqlens_q`` alone, ``cu_seqlens_q`` must equal ``cu_seqlens_q_padded``),
+  raising ValueError instead of failing deep inside Megatron or training on shifted positions.
+"""
+
+from ..fix import Fix, Provenance, drifted, needed
+
+CLASSES = {
+    "megatron.core.models.gpt.gpt_model": "GPTModel",
+    "megatron.core.models.hybrid.hybrid_model": "HybridModel",
+}
+REQUIRED_PARAMETERS = ("input_ids", "labels", "loss_mask", "packed_seq_params")
+MTP_MODULE = "megatron.core.transformer.multi_token_prediction"
 
 
-class _Placeholder(Fix):
+def _forward(module):
+    cls = getattr(module, CLASSES[module.__name__], None)
+    method = None if cls is None else vars(cls).get("forward")
+    return cls, getattr(method, "__wrapped__", method)
+
+
+def derives_mtp_labels(module):
+    """Whether the module's MTP loss can derive labels from ``input_ids`` when labels is None.
+
+    Read from the installed code: ``process_mtp_loss`` (which the model modules import) takes
+    ``input_ids`` only where PR #3457 is present.
+    """
+    import inspect
+
+    process = getattr(module, "process_mtp_loss", None)
+    return process is not None and "input_ids" in inspect.signature(process).parameters
+
+
+def mtp_rolls_by_cu_seqlens_q():
+    """True while megatron-core's packed MTP roll reads ``cu_seqlens_q`` and not the padded ones."""
+    import importlib
+
+    roll = getattr(importlib.import_module(MTP_MODULE), "_roll_tensor_packed_seq", None)
+    names = getattr(getattr(roll, "__code__", None), "co_names", ())
+    return "cu_seqlens_q" in names and "cu_seqlens_q_padded" not in names
+
+
+class LossMaskFix(Fix):
     name = "mtp-loss-mask"
-    distribution = "placeholder"
-    provenance = Provenance("TBD")
+    summary = "Route the RL MTP loss mask to GPTModel/HybridModel and check it has the tokens' layout."
+    distribution = "megatron-core"
+    targets = tuple(CLASSES)
+    provenance = Provenance(origin="NeMo-RL PR #3494 (MTP loss mask layout); NeMo-RL issue #2869")
 
     def probe(self, module):
-        return needed()
+        import inspect
+
+        cls, forward = _forward(module)
+        if cls is None:
+            return drifted(f"{module.__name__} has no {CLASSES[module.__name__]}")
+        if forward is None:
+            return drifted(f"{cls.__name__} defines no forward")
+        parameters = inspect.signature(forward).parameters
+        missing = [name for name in REQUIRED_PARAMETERS if name not in parameters]
+        if missing:
+            return drifted(f"{cls.__name__}.forward has no parameter(s) {missing}")
+        if parameters["loss_mask"].kind is not inspect.Parameter.KEYWORD_ONLY:
+            return drifted(f"{cls.__name__}.forward takes loss_mask positionally (keyword-only expected)")
+        if not derives_mtp_labels(module):
+            # Not redundant (nothing upstream masks the RL MTP loss) and nothing for the hook to
+            # route: without labels this release trains no MTP loss at all. Drifted is the state
+            # that stays loud (warning, OverlayError when strict) so MTP-from-RL users learn it.
+            return drifted(
+                "this megatron-core cannot derive MTP labels from input_ids (process_mtp_loss takes no "
+                "input_ids: Megatron-LM PR #3457, 0.19.0): with labels=None no MTP loss is trained at all, "
+                "so there is no RL MTP loss to mask; pass labels or upgrade to megatron-core >= 0.19"
+            )
+        return needed("MTP labels are derived from input_ids when labels is None (PR #3457)")
+
+    def wrappers(self, module):
+        import inspect
+
+        from .. import mtp
+
+        cls, forward = _forward(module)
+        positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        parameters = list(inspect.signature(forward).parameters.values())[1:]  # self is bound by wrapt
+        positions = {p.name: i for i, p in enumerate(parameters) if p.kind in positional}
+        check_boundaries = mtp_rolls_by_cu_seqlens_q()
+
+        def argument(name, args, kwargs):
+            if name in kwargs:
+                return kwargs[name]
+            index = positions.get(name)
+            return args[index] if index is not None and index < len(args) else None
+
+        def forward_with_loss_mask(wrapped, instance, args, kwargs):
+            loss_mask, scoped = kwargs.get("loss_mask"), mtp.scoped_loss_mask()
+            mtp_on = mtp.mtp_enabled(instance)
+            if loss_mask is None and scoped is not None and mtp_on:
+                if argument("labels", args, kwargs) is not None:
+                    raise ValueError(
+                        "loss_mask_scope holds an unshifted (input_ids-aligned) MTP mask, but this call passes "
+                        "labels: with labels megatron-core expects a label-aligned loss_mask; pass loss_mask "
+                        "explicitly or call without labels"
+                    )
+                loss_mask = scoped
+                kwargs = dict(kwargs, loss_mask=scoped)
+            input_ids = argument("input_ids", args, kwargs)
+            if loss_mask is not None and input_ids is not None:
+                packed = argument("packed_seq_params", args, kwargs)
+                cp_size, cp_rank = _cp_size_rank(instance)
+                mtp.check_loss_mask_layout(input_ids, loss_mask, packed, cp_size, cp_rank)
+                if packed is not None and mtp_on and check_boundaries:
+                    _check_roll_boundaries(packed)
+            return wrapped(*args, **kwargs)
+
+        yield cls, "forward", forward_with_loss_mask
+
+    def reproduce(self):
+        from ..testing.launcher import run_ranks_checked
+
+        trained, allowed = run_ranks_checked(stock_mtp_positions, 1, fixes=[])[0]
+        return trained != allowed, (
+            f"stock RL forward (labels=None): the MTP head trained on {trained:.0f} positions, "
+            f"the response mask of kept samples allows {allowed:.0f}"
+        )
 
 
-FIX = _Placeholder()
+def stock_mtp_positions():
+    """Rank worker: MTP positions stock megatron-core trains in an RL forward (labels=None) while the
+    trainer scopes a response-only mask, and the positions that mask allows."""
+    import torch
+
+    from ..mtp import build_mtp_loss_mask, loss_mask_scope
+    from ..testing.tiny_gpt import build_tiny_gpt, make_batch, train_step
+
+    model, batch = build_tiny_gpt(), make_batch(batch_size=2, seq_length=32)
+    token_mask = (torch.arange(32) >= 8).float().expand(2, 32)  # 8 prompt tokens per row
+    mask = build_mtp_loss_mask(token_mask, torch.tensor([1.0, 0.0]), model)  # second sample filtered out
+    with loss_mask_scope(mask):
+        step = train_step(model, batch, labels=None, loss_mask=None)  # the trainer passes no mask
+    return step.mtp_tokens[0], float(mask[:, 2:].sum())  # depth 1 weights position i by mask[i+2]
+
+
+def _cp_size_rank(model):
+    group = getattr(getattr(model, "pg_collection", None), "cp", None)
+    if group is None:
+        return 1, 0
+    return group.size(), group.rank()
+
+
+def _check_roll_boundaries(packed):
+    import torch
+
+    real, padded = packed.cu_seqlens_q, packed.cu_seqlens_q_padded
+    if padded is not None and not torch.equal(torch.as_tensor(real).long(), torch.as_tensor(padded).long()):
+        raise ValueError(
+            f"packed_seq_params.cu_seqlens_q {real.tolist()[:16]} differs from cu_seqlens_q_padded "
+            f"{padded.tolist()[:16]}: this megatron-core rolls the MTP labels and loss_mask by cu_seqlens_q "
+            "alone, so in a padded packed layout every sequence after the first would train on shifted "
+            "positions; pass the padded boundaries as cu_seqlens_q (mtp_overlay.mtp.packed_seq_params does)"
+        )
+
+
+FIX = LossMaskFix()

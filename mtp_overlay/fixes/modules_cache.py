@@ -219,6 +219,12 @@ class ModulesCacheFix(Fix):
     def wrappers(self, module):
         yield module, "init", self._init_with_modules_cache
 
+    def reproduce(self):
+        from ..testing.remote_code import ray_round_trip
+
+        result = ray_round_trip(overlay=False)
+        return f"No module named '{PACKAGE}'" in result, f"stock Ray actor given a remote-code config: {result}"
+
     def _init_with_modules_cache(self, wrapped, instance, args, kwargs):
         runtime_env = user_runtime_env(kwargs)
         folder = modules_folder()

@@ -21,18 +21,7 @@ import pytest
 from mtp_overlay import OverlayError, OverlayWarning, State
 from mtp_overlay.fixes import modules_cache
 from mtp_overlay.fixes.modules_cache import FIX
-
-CONFIG_SOURCE = '''
-from transformers import PretrainedConfig
-
-
-class TinyRemoteConfig(PretrainedConfig):
-    model_type = "tiny-remote"
-
-    def __init__(self, marker=0, **kwargs):
-        self.marker = marker
-        super().__init__(**kwargs)
-'''
+from mtp_overlay.testing.remote_code import write_remote_code_model
 
 HEAD = """
 import sys, ray
@@ -156,13 +145,7 @@ def cluster():
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("models") / "tiny_remote"
-    folder.mkdir()
-    (folder / "configuration_tiny_remote.py").write_text(CONFIG_SOURCE)
-    auto_map = {"AutoConfig": "configuration_tiny_remote.TinyRemoteConfig"}
-    config = {"model_type": "tiny-remote", "marker": 42, "auto_map": auto_map}
-    (folder / "config.json").write_text(json.dumps(config))
-    return folder
+    return write_remote_code_model(tmp_path_factory.mktemp("models") / "tiny_remote")
 
 
 def run_driver(cluster, model_dir, tmp_path, load="before", variant="plain", **env):
@@ -497,6 +480,7 @@ def test_hook_on_top_level_ray_wraps_init_lazily_and_probe_is_static(tmp_path):
     script = """
 import sys, mtp_overlay
 from mtp_overlay.fixes.modules_cache import FIX
+from mtp_overlay.testing.remote_code import write_remote_code_model
 assert "ray" not in sys.modules
 import ray, wrapt
 assert isinstance(vars(ray)["init"], wrapt.FunctionWrapper), type(vars(ray)["init"])

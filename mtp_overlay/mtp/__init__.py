@@ -1,0 +1,130 @@
+"""MTP training on megatron-core from an RL trainer: the loss mask, its layout, grad scale, metrics.
+
+From megatron-core 0.19.0 a forward without ``labels`` (RL losses live outside Megatron) derives
+the MTP labels from ``input_ids`` and weights the MTP loss by ``loss_mask`` rolled with them; no
+``loss_mask`` means all ones, so prompt tokens, padding and filtered samples train the MTP head
+(Megatron-LM PR #3457, NeMo-RL PR #3494). Importing this package is cheap: torch and megatron load
+inside the functions.
+
+Mask (``mask``)
+    build_mtp_loss_mask(token_mask, sample_mask, model_or_config) -> Tensor [B, S] | None
+        ``token_mask * sample_mask[:, None]`` (float32, unshifted: Megatron rolls it); None unless
+        ``mtp_num_layers`` > 0 (NeMo-RL issue #2869). token_mask must be binary, sample_mask finite.
+    global_valid_tokens(token_mask, sample_mask, group=None) -> float
+        ``sum(token_mask[:, 1:] * sample_mask[:, None])``, all-reduced over data-parallel ranks.
+    mtp_num_layers(model_or_config), mtp_enabled(model_or_config), unwrap_model(model)
+
+Packing and CP sharding (``packing``), vectorised, no Python loop over sequences
+    padding_multiple(cp_size=1, tp_size=1, sequence_parallel=False) -> int
+        ``2*cp_size`` under CP (else 1), times ``tp_size`` under sequence parallelism.
+    pack_sequences(input_ids, lengths, loss_mask=None, *, pad_multiple=1, pad_token_id=0) -> PackedBatch
+        Tokens and mask packed through one index: same boundaries, same per-sequence padding
+        (mask pad slots 0). PackedBatch(input_ids [1,T], loss_mask [1,T], cu_seqlens,
+        cu_seqlens_padded, max_seqlen).
+    unpack_sequences(packed, cu_seqlens, cu_seqlens_padded, seq_len, fill=0) -> [B, seq_len]
+    cp_shard(tensor, cp_size, cp_rank, cu_seqlens_padded=None) -> CP-local tensor
+        Load-balanced layout of ``get_batch_on_this_cp_rank``: each (padded) sequence in
+        ``2*cp_size`` chunks, rank r keeps chunks r and ``2*cp_size-1-r``. Without
+        ``cu_seqlens_padded`` each row is one sequence.
+    cp_local_indices(cu_seqlens_padded, cp_size, cp_rank) -> positions rank keeps
+    packed_seq_params(packed) -> megatron PackedSeqParams (thd; padded boundaries as cu_seqlens_q,
+        because megatron-core 0.19 rolls MTP labels and mask by cu_seqlens_q)
+
+Layout (``layout``)
+    model_slices_context_parallel(model) -> bool
+        ``model_slices_context_parallel_inputs = True`` on the model under ``.module`` wrappers.
+    shard_for_model(model, tensor, cp_size, cp_rank, cu_seqlens_padded=None)
+        Full row for a model that slices CP itself, else the CP-local shard; use it for tokens
+        and mask alike.
+    split_output(output) -> (output, sliced_loss_mask | None); unwrap_output(output) -> output
+        A CP-slicing model returns ``(output, sliced_loss_mask)`` when given a full loss_mask.
+    loss_mask_scope(loss_mask)  (context manager, contextvars: thread and asyncio safe)
+        With ``import mtp_overlay`` (fix ``mtp-loss-mask``), GPTModel/HybridModel.forward calls
+        made without a loss_mask inside the block get this one (MTP models, labels=None only;
+        with labels it is a ValueError). Every loss_mask reaching those forwards is checked:
+        shape equal to input_ids', and for packed input zeros in every padding slot and (MTP on)
+        cu_seqlens_q equal to cu_seqlens_q_padded; ValueError otherwise. A model that slices CP
+        itself gets its full-row mask as an explicit ``loss_mask`` instead.
+    check_loss_mask_layout(input_ids, loss_mask, packed_seq_params=None, cp_size=1, cp_rank=0)
+
+Gradient scale (``scaling``)
+    mtp_grad_scale(model_or_config, token_mask, sample_mask, group=None)  (context manager)
+        Sets ``config.mtp_grad_scale_func`` to ``1/max(global_valid_tokens, 1)`` for the block and
+        resets it to None on exit, exceptions included. Needs calculate_per_token_loss=True.
+
+Metrics (``metrics``)
+    mtp_metrics(num_microbatches) -> {"mtp_{i}_loss", "mtp_{i}_acceptance_rate"} (i from 1)
+        From MTPLossLoggingHelper's tracker (megatron-core 0.19+): reduce (a collective: every
+        rank of the last stage), read, clean; loss scaled by 1/num_microbatches,
+        rate = 100*correct/max(total, 1); empty tracker -> {}.
+    with_prefix(metrics, prefix="mtp/")
+
+Config (``config``)
+    apply_mtp_config(config, mtp_config) -> config
+        Sets the keys present among mtp_num_layers, mtp_loss_scaling_factor,
+        mtp_use_repeated_layer, mtp_detach_heads; ValueError naming the key and the installed
+        megatron-core version when its TransformerConfig has no such field.
+
+Typical RL step (TP/CP ranks, no packing)::
+
+    mask = build_mtp_loss_mask(token_mask, sample_mask, model)
+    with mtp_grad_scale(model, token_mask, sample_mask):
+        for mb in microbatches:
+            ids = shard_for_model(model, mb.input_ids, cp_size, cp_rank)
+            mb_mask = None if mask is None else shard_for_model(model, mask[mb.rows], cp_size, cp_rank)
+            with loss_mask_scope(mb_mask):
+                logits = unwrap_output(model(ids, position_ids, attention_mask))
+            ...
+    log(with_prefix(mtp_metrics(num_microbatches)))
+"""
+
+from .config import MTP_CONFIG_KEYS, apply_mtp_config
+from .layout import (
+    check_loss_mask_layout,
+    loss_mask_scope,
+    model_slices_context_parallel,
+    scoped_loss_mask,
+    shard_for_model,
+    split_output,
+    unwrap_output,
+)
+from .mask import build_mtp_loss_mask, global_valid_tokens, mtp_enabled, mtp_num_layers, unwrap_model
+from .metrics import METRICS_PREFIX, mtp_metrics, with_prefix
+from .packing import (
+    PackedBatch,
+    cp_local_indices,
+    cp_shard,
+    pack_sequences,
+    packed_seq_params,
+    padding_multiple,
+    unpack_sequences,
+)
+from .scaling import mtp_grad_scale
+
+__all__ = [
+    "MTP_CONFIG_KEYS",
+    "METRICS_PREFIX",
+    "PackedBatch",
+    "apply_mtp_config",
+    "build_mtp_loss_mask",
+    "check_loss_mask_layout",
+    "cp_local_indices",
+    "cp_shard",
+    "global_valid_tokens",
+    "loss_mask_scope",
+    "model_slices_context_parallel",
+    "mtp_enabled",
+    "mtp_grad_scale",
+    "mtp_metrics",
+    "mtp_num_layers",
+    "pack_sequences",
+    "packed_seq_params",
+    "padding_multiple",
+    "scoped_loss_mask",
+    "shard_for_model",
+    "split_output",
+    "unpack_sequences",
+    "unwrap_model",
+    "unwrap_output",
+    "with_prefix",
+]

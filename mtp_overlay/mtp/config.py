@@ -1,0 +1,41 @@
+"""Apply the user's MTP keys to a TransformerConfig, refusing fields the installed core lacks.
+
+NeMo-RL setattr's the keys blindly: on an older megatron-core a missing field becomes a plain
+attribute nobody reads, and MTP silently runs with the defaults.
+"""
+
+import dataclasses
+
+from .scaling import _core_version
+
+# key -> first megatron-core release whose TransformerConfig has the field
+MTP_CONFIG_KEYS = {
+    "mtp_num_layers": "0.12",
+    "mtp_loss_scaling_factor": "0.12",
+    "mtp_use_repeated_layer": "0.17",
+    "mtp_detach_heads": "0.19",
+}
+
+
+def apply_mtp_config(config, mtp_config):
+    """Set each key of ``mtp_config`` present in it (of `MTP_CONFIG_KEYS`) on ``config``; return ``config``.
+
+    ``config``: a TransformerConfig or a dataclass subclass of it (e.g. a Megatron-Bridge provider).
+    ValueError for an unknown key, or for a field the installed TransformerConfig lacks (then
+    nothing is set).
+    """
+    if not dataclasses.is_dataclass(config) or isinstance(config, type):
+        raise TypeError(f"config must be a TransformerConfig instance (a dataclass), got {type(config).__name__}")
+    unknown = sorted(set(mtp_config) - set(MTP_CONFIG_KEYS))
+    if unknown:
+        raise ValueError(f"mtp_config: unknown key(s) {unknown}; expected some of {list(MTP_CONFIG_KEYS)}")
+    fields = {field.name for field in dataclasses.fields(config)}
+    for key in mtp_config:  # all checked before any is set: a refused config is left untouched
+        if key not in fields:
+            raise ValueError(
+                f"mtp_config[{key!r}]: {type(config).__name__} of the installed megatron-core {_core_version()} "
+                f"has no field {key!r} (added in {MTP_CONFIG_KEYS[key]}); refusing to set it silently"
+            )
+    for key, value in mtp_config.items():
+        setattr(config, key, value)
+    return config

@@ -1,0 +1,124 @@
+"""Which layout a model wants its loss mask in, the check every mask must pass, and its scope.
+
+NeMo-RL PR #3494: the mask must have exactly the layout of the ``input_ids`` handed to the model. A
+model that slices context parallelism itself (class attribute
+``model_slices_context_parallel_inputs = True``, e.g. Megatron-Bridge's NemotronOmniModel) takes
+full rows and returns ``(output, sliced_loss_mask)``; any other model takes the CP-local shard.
+"""
+
+import contextlib
+import contextvars
+
+from .mask import _shape, unwrap_model
+from .packing import _check_cu_seqlens, cp_shard
+
+_SCOPED_LOSS_MASK = contextvars.ContextVar("mtp_overlay_scoped_loss_mask", default=None)
+
+
+def model_slices_context_parallel(model):
+    """True when the (unwrapped) model declares ``model_slices_context_parallel_inputs = True``."""
+    return getattr(unwrap_model(model), "model_slices_context_parallel_inputs", False) is True
+
+
+def shard_for_model(model, tensor, cp_size, cp_rank, cu_seqlens_padded=None):
+    """``tensor`` (tokens or mask, full rows) in the layout ``model`` takes: full or CP-local."""
+    if model_slices_context_parallel(model):
+        return tensor
+    return cp_shard(tensor, cp_size, cp_rank, cu_seqlens_padded)
+
+
+def split_output(output):
+    """``(logits_or_loss, sliced_loss_mask)``: unwraps a CP-slicing model's 2-tuple, else ``(output, None)``."""
+    if isinstance(output, (tuple, list)):
+        if len(output) != 2:
+            raise ValueError(f"output: expected a tensor or (output, sliced_loss_mask), got a {len(output)}-tuple")
+        return output[0], output[1]
+    return output, None
+
+
+def unwrap_output(output):
+    """The logits (or loss) of a model output, dropping a CP-slicing model's sliced loss mask."""
+    return split_output(output)[0]
+
+
+@contextlib.contextmanager
+def loss_mask_scope(loss_mask):
+    """Within the block, GPTModel/HybridModel.forward calls without a ``loss_mask`` get this one.
+
+    Needs the ``mtp-loss-mask`` hook installed (``import mtp_overlay``). Scoped through a
+    ContextVar, so concurrent threads and asyncio tasks each see their own mask. ``None`` (what
+    `build_mtp_loss_mask` returns when MTP is off) makes the block a no-op. The mask must already
+    be in the layout of the input_ids that reach GPTModel/HybridModel.forward: CP-local for a
+    plain model. A model that slices CP itself must get its full-row mask as ``loss_mask``
+    explicitly (the scope only reaches the inner forward, after the model's own slicing).
+    """
+    token = _SCOPED_LOSS_MASK.set(loss_mask)
+    try:
+        yield loss_mask
+    finally:
+        _SCOPED_LOSS_MASK.reset(token)
+
+
+def scoped_loss_mask():
+    """The mask of the innermost `loss_mask_scope`, or None."""
+    return _SCOPED_LOSS_MASK.get()
+
+
+def check_loss_mask_layout(input_ids, loss_mask, packed_seq_params=None, cp_size=1, cp_rank=0):
+    """ValueError unless ``loss_mask`` has the layout of ``input_ids`` (NeMo-RL PR #3494).
+
+    Rules: same shape as ``input_ids``; for packed input (``packed_seq_params`` given; a row that is
+    CP-local when ``cp_size`` > 1) zeros in every padding slot, i.e. past a sequence's real length
+    (``cu_seqlens_q``) within its padded slot (``cu_seqlens_q_padded``) and past the last sequence.
+    """
+    if tuple(loss_mask.shape) != tuple(input_ids.shape):
+        raise ValueError(
+            f"loss_mask has layout {_shape(loss_mask)} but input_ids has {_shape(input_ids)}: the MTP loss mask "
+            "must have exactly the layout of the input_ids given to the model (same rows, same packing, "
+            "same CP shard; NeMo-RL PR #3494)"
+        )
+    if packed_seq_params is None:
+        return
+    padding = padding_slots(input_ids.shape[-1], packed_seq_params, cp_size, cp_rank, input_ids.device)
+    stray = (loss_mask != 0) & padding
+    if bool(stray.any()):
+        positions = stray.nonzero()[:, -1].unique()
+        raise ValueError(
+            f"loss_mask is nonzero in {int(positions.numel())} padding slot(s) of the packed input_ids "
+            f"(first at {positions[:8].tolist()}; input_ids layout: cu_seqlens_q="
+            f"{_as_list(packed_seq_params.cu_seqlens_q)}, cu_seqlens_q_padded={_as_list(packed_seq_params.cu_seqlens_q_padded)}, "
+            f"cp {cp_rank}/{cp_size}): pack the mask with the tokens' boundaries and per-sequence padding, "
+            "pad slots 0 (mtp_overlay.mtp.pack_sequences)"
+        )
+
+
+def padding_slots(local_length, packed_seq_params, cp_size=1, cp_rank=0, device=None):
+    """Boolean [local_length]: which slots of a (CP-local) packed row are padding."""
+    import torch
+
+    real_cu = _check_cu_seqlens(packed_seq_params.cu_seqlens_q, "packed_seq_params.cu_seqlens_q", None, device)
+    padded_cu = packed_seq_params.cu_seqlens_q_padded
+    padded_cu = real_cu if padded_cu is None else _check_cu_seqlens(padded_cu, "packed_seq_params.cu_seqlens_q_padded", None, device)
+    if real_cu.shape != padded_cu.shape or bool((real_cu.diff() > padded_cu.diff()).any()):
+        raise ValueError(
+            f"packed_seq_params: cu_seqlens_q {real_cu.tolist()[:16]} does not fit in cu_seqlens_q_padded {padded_cu.tolist()[:16]}"
+        )
+    real, padded = real_cu.diff(), padded_cu.diff()
+    if cp_size > 1 and bool((padded % (2 * cp_size)).any()):
+        raise ValueError(
+            f"packed_seq_params: padded sequence lengths {padded.tolist()[:16]} are not multiples of 2*cp_size={2 * cp_size}"
+        )
+    position = torch.arange(local_length, device=real_cu.device)
+    if real.numel() == 0:
+        return torch.ones(local_length, dtype=torch.bool, device=real_cu.device)
+    local_cu = padded_cu // cp_size
+    sequence = (torch.searchsorted(local_cu, position, right=True) - 1).clamp(max=real.numel() - 1)
+    offset = position - local_cu[sequence]
+    if cp_size > 1:  # local slot -> offset in the whole padded sequence (2*cp-chunk layout)
+        size = padded[sequence] // (2 * cp_size)
+        offset = torch.where(offset < size, cp_rank * size + offset, (2 * cp_size - 2 - cp_rank) * size + offset)
+    return (position >= local_cu[-1]) | (offset >= real[sequence])
+
+
+def _as_list(tensor):
+    return None if tensor is None else tensor.tolist()[:16]

@@ -1,0 +1,109 @@
+"""The MTP loss mask: response tokens of kept samples, in the layout of ``input_ids``.
+
+From megatron-core 0.19.0 (Megatron-LM PR #3457) a forward without ``labels`` derives the MTP labels
+by rolling ``input_ids`` and rolls ``loss_mask`` with them; a missing ``loss_mask`` means all ones, so
+prompt tokens, padding and filtered samples all train the MTP head. The mask is therefore built
+unshifted (Megatron rolls it) and only when MTP is on: building it unconditionally broke non-MTP
+self-packing VLM recipes (NeMo-RL issue #2869).
+"""
+
+
+def unwrap_model(model):
+    """The model inside DDP / Float16Module-style wrappers (followed through ``.module``)."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def config_of(model_or_config):
+    """The TransformerConfig of a (wrapped) model, or the argument itself when it is a config."""
+    model = unwrap_model(model_or_config)
+    return getattr(model, "config", model)
+
+
+def mtp_num_layers(model_or_config):
+    """``config.mtp_num_layers`` as an int; 0 when the field is absent or None."""
+    return int(getattr(config_of(model_or_config), "mtp_num_layers", None) or 0)
+
+
+def mtp_enabled(model_or_config):
+    return mtp_num_layers(model_or_config) > 0
+
+
+def check_binary(tensor, name):
+    """ValueError naming ``name`` unless every element of ``tensor`` is 0 or 1."""
+    if not bool(((tensor == 0) | (tensor == 1)).all()):
+        raise ValueError(f"{name} must hold only 0 and 1, got values {sorted(set(tensor.unique().tolist()))[:8]}")
+
+
+def check_sample_mask(sample_mask, batch_size):
+    """``sample_mask``: 1-D, one finite non-negative weight per row."""
+    import torch
+
+    if not isinstance(sample_mask, torch.Tensor) or sample_mask.dim() != 1:
+        raise ValueError(f"sample_mask must be a 1-D tensor of shape [{batch_size}], got {_shape(sample_mask)}")
+    if sample_mask.shape[0] != batch_size:
+        raise ValueError(f"sample_mask must have shape [{batch_size}] (one weight per row), got {_shape(sample_mask)}")
+    if sample_mask.is_floating_point() and not bool(torch.isfinite(sample_mask).all()):
+        raise ValueError("sample_mask must hold finite weights, got NaN or inf")
+    if bool((sample_mask < 0).any()):
+        raise ValueError("sample_mask must hold non-negative weights, got a negative one")
+
+
+def check_token_mask(token_mask):
+    import torch
+
+    if not isinstance(token_mask, torch.Tensor) or token_mask.dim() != 2:
+        raise ValueError(f"token_mask must be a 2-D tensor [B, S] like input_ids, got {_shape(token_mask)}")
+    check_binary(token_mask, "token_mask")
+
+
+def build_mtp_loss_mask(token_mask, sample_mask, model_or_config):
+    """``token_mask [B, S] * sample_mask[:, None]`` as float32, or None when MTP is off.
+
+    ``token_mask``: 1 on trained (response) tokens, 0 on prompt and padding, in the same [B, S]
+    layout as ``input_ids`` and NOT shifted. ``sample_mask``: per-row weight, 0 drops the row.
+    """
+    import torch
+
+    if not mtp_enabled(model_or_config):
+        return None
+    check_token_mask(token_mask)
+    check_sample_mask(sample_mask, token_mask.shape[0])
+    return token_mask.to(torch.float32) * sample_mask.to(torch.float32)[:, None]
+
+
+def global_valid_tokens(token_mask, sample_mask, group=None):
+    """``sum(token_mask[:, 1:] * sample_mask[:, None])`` over the data-parallel ranks, as a float.
+
+    The first token of a row never is a target. When torch.distributed is initialised the sum is
+    all-reduced over ``group``: by default megatron-core's data-parallel group when its model
+    parallel state is initialised, else the default group. Every rank of that group must call it.
+    """
+    import torch
+
+    check_token_mask(token_mask)
+    check_sample_mask(sample_mask, token_mask.shape[0])
+    total = (token_mask[:, 1:].to(torch.float64) * sample_mask.to(torch.float64)[:, None]).sum()
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        if group is None:
+            group = _data_parallel_group()
+        if "nccl" in str(torch.distributed.get_backend(group)) and total.device.type == "cpu":
+            total = total.cuda()
+        torch.distributed.all_reduce(total, group=group)
+    return float(total)
+
+
+def _data_parallel_group():
+    try:
+        from megatron.core import parallel_state
+    except ImportError:
+        return None
+    if parallel_state.model_parallel_is_initialized():
+        return parallel_state.get_data_parallel_group()
+    return None
+
+
+def _shape(value):
+    shape = getattr(value, "shape", None)
+    return list(shape) if shape is not None else type(value).__name__

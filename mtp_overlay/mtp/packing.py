@@ -1,0 +1,240 @@
+"""THD packing and context-parallel sharding of tokens and MTP loss mask, vectorised.
+
+Layout rule (NeMo-RL PR #3494): the loss mask must have exactly the layout of the ``input_ids`` the
+model gets. Packing puts tokens and mask through the same index, so they share boundaries and
+per-sequence padding by construction (pad slots: ``pad_token_id`` for tokens, 0 for the mask).
+CP sharding is the load-balanced layout of megatron-core's ``get_batch_on_this_cp_rank``: each padded
+sequence is cut into ``2 * cp_size`` chunks and rank r keeps chunks r and ``2 * cp_size - 1 - r``.
+"""
+
+import collections
+
+from .mask import _shape
+
+PackedBatch = collections.namedtuple(
+    "PackedBatch", ["input_ids", "loss_mask", "cu_seqlens", "cu_seqlens_padded", "max_seqlen"]
+)
+PackedBatch.__doc__ = """Output of `pack_sequences`.
+
+input_ids, loss_mask: [1, T] (loss_mask None when none was given); cu_seqlens: int32 [n+1] real
+boundaries; cu_seqlens_padded: int32 [n+1] padded boundaries, T == cu_seqlens_padded[-1];
+max_seqlen: longest padded sequence (int).
+"""
+
+
+def padding_multiple(cp_size=1, tp_size=1, sequence_parallel=False):
+    """Per-sequence padding multiple: ``2 * cp_size`` under CP, times ``tp_size`` under SP."""
+    for name, value in (("cp_size", cp_size), ("tp_size", tp_size)):
+        _check_positive_int(value, name)
+    return (2 * cp_size if cp_size > 1 else 1) * (tp_size if sequence_parallel else 1)
+
+
+def pack_sequences(input_ids, lengths, loss_mask=None, *, pad_multiple=1, pad_token_id=0):
+    """Pack rows ``input_ids[b, :lengths[b]]`` into one [1, T] row, and ``loss_mask`` identically.
+
+    ``input_ids``: [B, S]; ``lengths``: B integers in [0, S]; ``loss_mask``: [B, S] or None.
+    Each sequence is padded to a multiple of ``pad_multiple`` (see `padding_multiple`).
+    """
+    import torch
+
+    batch_size, seq_len = _check_rows(input_ids, "input_ids")
+    lengths = _check_lengths(lengths, batch_size, seq_len, input_ids.device)
+    _check_positive_int(pad_multiple, "pad_multiple")
+    if loss_mask is not None:
+        _check_same_shape(loss_mask, "loss_mask", input_ids, "input_ids")
+    padded = (lengths + pad_multiple - 1) // pad_multiple * pad_multiple
+    cu_seqlens = _cumulative(lengths)
+    cu_seqlens_padded = _cumulative(padded)
+    # one gather index shared by every packed tensor: slot k of sequence b reads input[b, k - start_b]
+    # (slots past the row's end are clamped; they are padding and get filled below)
+    rows = torch.arange(batch_size, device=lengths.device)
+    source = _ramp(padded, rows * seq_len - cu_seqlens_padded[:-1]).clamp_(max=max(input_ids.numel() - 1, 0))
+    padding = _ramp(padded - lengths, cu_seqlens[1:])  # slots past each sequence's length
+
+    def pack(values, fill):
+        return values.reshape(-1).index_select(0, source).index_fill_(0, padding, fill)[None, :]
+
+    tokens = pack(input_ids, pad_token_id)
+    mask = None if loss_mask is None else pack(loss_mask, 0)
+    max_seqlen = int(padded.max()) if batch_size else 0
+    return PackedBatch(tokens, mask, cu_seqlens.to(torch.int32), cu_seqlens_padded.to(torch.int32), max_seqlen)
+
+
+def unpack_sequences(packed, cu_seqlens, cu_seqlens_padded, seq_len, fill=0):
+    """Inverse of `pack_sequences` for one packed row ([1, T] or [T]): back to [B, seq_len]."""
+    row = _packed_row(packed)
+    cu_padded = _check_cu_seqlens(cu_seqlens_padded, "cu_seqlens_padded", row.shape[0], row.device)
+    cu_real = _check_cu_seqlens(cu_seqlens, "cu_seqlens", None, row.device)
+    if cu_real.shape != cu_padded.shape:
+        raise ValueError(f"cu_seqlens {_shape(cu_seqlens)} and cu_seqlens_padded {_shape(cu_seqlens_padded)} differ in length")
+    lengths = cu_real.diff()
+    _check_positive_int(seq_len, "seq_len", minimum=0)
+    if bool((lengths > cu_padded.diff()).any()):
+        raise ValueError("cu_seqlens has a sequence longer than its slot in cu_seqlens_padded")
+    if lengths.numel() and int(lengths.max()) > seq_len:
+        raise ValueError(f"seq_len={seq_len} is shorter than the longest sequence ({int(lengths.max())})")
+    import torch
+
+    starts = cu_real[:-1]
+    target = _ramp(lengths, torch.arange(lengths.numel(), device=row.device) * seq_len - starts)
+    source = _ramp(lengths, cu_padded[:-1] - starts)
+    out = row.new_full((lengths.numel(), seq_len), fill)
+    out.view(-1).index_copy_(0, target, row.index_select(0, source))
+    return out
+
+
+def cp_shard(tensor, cp_size, cp_rank, cu_seqlens_padded=None):
+    """This CP rank's part of ``tensor`` along its last (sequence) dimension.
+
+    Without ``cu_seqlens_padded`` every row is one sequence (BSHD) of length divisible by
+    ``2 * cp_size``; with it, the row is packed (THD) and each padded sequence is sharded.
+    ``cp_size == 1`` keeps everything (the BSHD tensor itself).
+    """
+    import torch
+
+    if not isinstance(tensor, torch.Tensor) or tensor.dim() < 1:
+        raise ValueError(f"tensor must be a tensor with a sequence dimension last, got {_shape(tensor)}")
+    _check_cp(cp_size, cp_rank)
+    chunks = 2 * cp_size
+    length = tensor.shape[-1]
+    if cu_seqlens_padded is not None:
+        return tensor.index_select(-1, cp_local_indices(cu_seqlens_padded, cp_size, cp_rank, length, tensor.device))
+    if cp_size == 1:
+        return tensor
+    if length % chunks:
+        raise ValueError(
+            f"cp_size={cp_size}: sequence length {length} of tensor {_shape(tensor)} is not a multiple of 2*cp_size={chunks}"
+        )
+    view = tensor.reshape(*tensor.shape[:-1], chunks, length // chunks)
+    index = torch.tensor([cp_rank, chunks - 1 - cp_rank], device=tensor.device)
+    return view.index_select(-2, index).reshape(*tensor.shape[:-1], -1)
+
+
+def cp_local_indices(cu_seqlens_padded, cp_size, cp_rank, total=None, device=None):
+    """Positions of the packed row that CP rank ``cp_rank`` keeps, in its local order."""
+    import torch
+
+    _check_cp(cp_size, cp_rank)
+    cu = _check_cu_seqlens(cu_seqlens_padded, "cu_seqlens_padded", total, device)
+    if cp_size == 1:
+        return torch.arange(int(cu[-1]), device=cu.device)
+    chunks = 2 * cp_size
+    padded = cu.diff()
+    if bool((padded % chunks).any()):
+        raise ValueError(
+            f"cu_seqlens_padded: every padded sequence length must be a multiple of 2*cp_size={chunks}, got {padded.tolist()}"
+        )
+    chunk = padded // chunks
+    # two runs per sequence, in local order: chunk r, then chunk 2*cp-1-r
+    run_sizes = torch.stack([chunk, chunk], 1).reshape(-1)
+    run_sources = torch.stack([cu[:-1] + cp_rank * chunk, cu[:-1] + (chunks - 1 - cp_rank) * chunk], 1).reshape(-1)
+    return _ramp(run_sizes, run_sources - _cumulative(run_sizes)[:-1])
+
+
+def packed_seq_params(packed):
+    """megatron-core PackedSeqParams (THD) for a `PackedBatch`.
+
+    ``cu_seqlens_q/kv`` are the PADDED boundaries: megatron-core 0.19's MTP ``roll_tensor`` rolls
+    labels and loss mask by ``cu_seqlens_q`` alone, so real lengths there would roll across the
+    padding of every earlier sequence. Pad slots are masked out of the loss instead.
+    """
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu = packed.cu_seqlens_padded
+    return PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=cu,
+        cu_seqlens_kv=cu,
+        cu_seqlens_q_padded=cu,
+        cu_seqlens_kv_padded=cu,
+        max_seqlen_q=packed.max_seqlen,
+        max_seqlen_kv=packed.max_seqlen,
+    )
+
+
+# --- helpers ------------------------------------------------------------------------------------
+def _ramp(sizes, offsets):
+    """``arange(sum(sizes)) + repeat_interleave(offsets, sizes)``: runs of consecutive integers.
+
+    Built as one cumulative sum of steps (1 inside a run, a jump at each run's start; empty runs
+    share a start and their jumps telescope), in place: torch's CPU repeat_interleave and the
+    temporaries of the plain formula cost several times more at 256k slots.
+    """
+    import torch
+
+    starts = _cumulative(sizes)
+    steps = torch.ones(int(starts[-1]) + 1, dtype=torch.int64, device=sizes.device)
+    steps[0] = 0
+    steps.index_add_(0, starts[:-1], offsets.diff(prepend=offsets.new_zeros(1)))
+    return steps.cumsum_(0)[:-1]
+
+
+def _cumulative(sizes):
+    import torch
+
+    return torch.cat([sizes.new_zeros(1), sizes.cumsum(0)])
+
+
+def _check_rows(tensor, name):
+    import torch
+
+    if not isinstance(tensor, torch.Tensor) or tensor.dim() != 2:
+        raise ValueError(f"{name} must be a 2-D tensor [B, S], got {_shape(tensor)}")
+    return tensor.shape
+
+
+def _check_same_shape(tensor, name, reference, reference_name):
+    import torch
+
+    if not isinstance(tensor, torch.Tensor) or tensor.shape != reference.shape:
+        raise ValueError(
+            f"{name} must have the shape of {reference_name} {_shape(reference)}, got {_shape(tensor)}"
+        )
+
+
+def _check_lengths(lengths, batch_size, seq_len, device):
+    import torch
+
+    lengths = torch.as_tensor(lengths, device=device)
+    if lengths.dim() != 1 or lengths.shape[0] != batch_size:
+        raise ValueError(f"lengths must have shape [{batch_size}] (one per row of input_ids), got {_shape(lengths)}")
+    if lengths.is_floating_point() or lengths.is_complex() or lengths.dtype == torch.bool:
+        raise ValueError(f"lengths must be integers, got dtype {lengths.dtype}")
+    lengths = lengths.to(torch.int64)
+    if bool((lengths < 0).any()) or bool((lengths > seq_len).any()):
+        raise ValueError(f"lengths must lie in [0, {seq_len}] (S of input_ids), got {lengths.tolist()[:16]}")
+    return lengths
+
+
+def _check_cu_seqlens(cu_seqlens, name, total, device):
+    import torch
+
+    cu = torch.as_tensor(cu_seqlens, device=device)
+    if cu.dim() != 1 or cu.numel() < 1 or cu.is_floating_point() or cu.dtype == torch.bool:
+        raise ValueError(f"{name} must be a 1-D integer tensor [n+1], got {_shape(cu)} {cu.dtype}")
+    cu = cu.to(torch.int64)
+    if int(cu[0]) != 0 or bool((cu.diff() < 0).any()):
+        raise ValueError(f"{name} must start at 0 and never decrease, got {cu.tolist()[:16]}")
+    if total is not None and int(cu[-1]) != total:
+        raise ValueError(f"{name} must end at the packed length {total}, got {int(cu[-1])}")
+    return cu
+
+
+def _packed_row(packed):
+    import torch
+
+    if not isinstance(packed, torch.Tensor) or packed.dim() not in (1, 2) or (packed.dim() == 2 and packed.shape[0] != 1):
+        raise ValueError(f"packed must be one packed row [1, T] or [T], got {_shape(packed)}")
+    return packed.reshape(-1)
+
+
+def _check_cp(cp_size, cp_rank):
+    _check_positive_int(cp_size, "cp_size")
+    _check_positive_int(cp_rank, "cp_rank", minimum=0)
+    if cp_rank >= cp_size:
+        raise ValueError(f"cp_rank must lie in [0, cp_size={cp_size}), got {cp_rank}")
+
+
+def _check_positive_int(value, name, minimum=1):
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")

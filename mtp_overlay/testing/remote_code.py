@@ -1,0 +1,79 @@
+"""A tiny trust_remote_code model folder, and the stock round trip of its config through a Ray actor.
+
+The failure hf-modules-cache fixes: cloudpickle ships the config class by reference, and a fresh Ray
+worker cannot import ``transformers_modules``.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+CONFIG_SOURCE = '''
+from transformers import PretrainedConfig
+
+
+class TinyRemoteConfig(PretrainedConfig):
+    model_type = "tiny-remote"
+
+    def __init__(self, marker=0, **kwargs):
+        self.marker = marker
+        super().__init__(**kwargs)
+'''
+
+ROUND_TRIP = """
+import sys
+import mtp_overlay
+import ray
+from transformers import AutoConfig
+
+config = AutoConfig.from_pretrained(sys.argv[1], trust_remote_code=True)
+ray.init(num_cpus=1, include_dashboard=False, _node_ip_address="127.0.0.1")
+
+
+@ray.remote(num_cpus=0)
+class Reader:
+    def __init__(self, config):
+        self.marker = config.marker
+
+    def marker(self):
+        return self.marker
+
+
+try:
+    print("RESULT", ray.get(Reader.remote(config).marker.remote(), timeout=120))
+except Exception as exc:
+    print("RESULT", type(exc).__name__, " ".join(str(exc).split())[-400:])
+ray.shutdown()
+"""
+
+
+def write_remote_code_model(folder, marker=42):
+    """A model folder whose config class lives in its own code (``auto_map``); returns ``folder``."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "configuration_tiny_remote.py").write_text(CONFIG_SOURCE)
+    auto_map = {"AutoConfig": "configuration_tiny_remote.TinyRemoteConfig"}
+    (folder / "config.json").write_text(json.dumps({"model_type": "tiny-remote", "marker": marker, "auto_map": auto_map}))
+    return folder
+
+
+def ray_round_trip(overlay=True):
+    """Load the tiny config with trust_remote_code, hand it to a Ray actor on a fresh local cluster
+    and read it back, in a clean subprocess; returns what the driver printed after ``RESULT``."""
+    with tempfile.TemporaryDirectory(prefix="mtp-rt") as tmp:
+        model = write_remote_code_model(Path(tmp) / "model")
+        cwd = Path(tmp) / "cwd"  # Ray puts the driver's cwd on workers' sys.path: keep it empty
+        cwd.mkdir()
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "MTP_OVERLAY_", "RAY_"))}
+        env.update(HF_MODULES_CACHE=str(Path(tmp) / "modules"), RAY_AUTH_MODE="disabled")
+        if not overlay:
+            env["MTP_OVERLAY_DISABLE"] = "hf-modules-cache"
+        proc = subprocess.run([sys.executable, "-c", ROUND_TRIP, str(model)], capture_output=True, text=True,
+                              cwd=cwd, env=env, timeout=300)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if not lines:
+        raise RuntimeError(f"Ray round trip printed no result (exit {proc.returncode}): {proc.stderr[-2000:]}")
+    return lines[-1][len("RESULT "):]
