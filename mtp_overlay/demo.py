@@ -6,9 +6,11 @@ shims stand in for CUDA; the model, its MTP layer and the losses are megatron-co
 """
 
 from . import registry
+from .fixes.loss_mask import scoped_mask_mtp_positions
 from .testing.launcher import run_ranks, run_ranks_checked
 
 SP_SCATTER = "mtp-sp-scatter"
+LOSS_MASK = "mtp-loss-mask"
 NOT_SCATTERING = dict(sequence_parallel=True, scatter_embedding_sequence_parallel=False)
 
 
@@ -48,4 +50,11 @@ def main(out=print):
     match = abs(fixed.lm_loss - reference.lm_loss) < 1e-4 and abs(fixed.mtp_loss - reference.mtp_loss) < 1e-4
     ok &= match and bool(failed)
     out(f"   fix on:  {_losses(fixed)}  ({'matches TP1' if match else 'DIFFERS from TP1'})")
+
+    out("\n== mtp-loss-mask: RL forward (labels=None), trainer scopes a response-only mask of kept samples")
+    for label, fixes in (("fix off", []), ("fix on ", [LOSS_MASK])):
+        trained, allowed = run_ranks_checked(scoped_mask_mtp_positions, 1, fixes=fixes)[0]
+        ok &= (trained == allowed) == bool(fixes)
+        verdict = "only the response tokens" if trained == allowed else "prompts and the filtered sample too"
+        out(f"   {label}: MTP head trained on {trained:.0f} positions, mask allows {allowed:.0f} ({verdict})")
     return 0 if ok else 1

@@ -127,16 +127,16 @@ class LossMaskFix(Fix):
     def reproduce(self):
         from ..testing.launcher import run_ranks_checked
 
-        trained, allowed = run_ranks_checked(stock_mtp_positions, 1, fixes=[])[0]
+        trained, allowed = run_ranks_checked(scoped_mask_mtp_positions, 1, fixes=[])[0]
         return trained != allowed, (
             f"stock RL forward (labels=None): the MTP head trained on {trained:.0f} positions, "
             f"the response mask of kept samples allows {allowed:.0f}"
         )
 
 
-def stock_mtp_positions():
-    """Rank worker: MTP positions stock megatron-core trains in an RL forward (labels=None) while the
-    trainer scopes a response-only mask, and the positions that mask allows."""
+def scoped_mask_mtp_positions():
+    """Rank worker: MTP positions megatron-core trains in an RL forward (labels=None, no loss_mask
+    passed) while the trainer scopes a response-only mask, and the positions that mask allows."""
     import torch
 
     from ..mtp import build_mtp_loss_mask, loss_mask_scope
