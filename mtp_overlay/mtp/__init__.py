@@ -9,7 +9,9 @@ inside the functions.
 Mask (``mask``)
     build_mtp_loss_mask(token_mask, sample_mask, model_or_config) -> Tensor [B, S] | None
         ``token_mask * sample_mask[:, None]`` (float32, unshifted: Megatron rolls it); None unless
-        ``mtp_num_layers`` > 0 (NeMo-RL issue #2869). token_mask must be binary, sample_mask finite.
+        ``mtp_num_layers`` > 0 (NeMo-RL issue #2869). token_mask must be binary, sample_mask finite,
+        both on one device, checked even when MTP is off; TypeError for a ``model_or_config``
+        without ``mtp_num_layers`` (on itself or on the unwrapped model's ``.config``).
     global_valid_tokens(token_mask, sample_mask, group=None) -> float
         ``sum(token_mask[:, 1:] * sample_mask[:, None])``, all-reduced over data-parallel ranks.
     mtp_num_layers(model_or_config), mtp_enabled(model_or_config), unwrap_model(model)
@@ -19,7 +21,7 @@ Packing and CP sharding (``packing``), vectorised, no Python loop over sequences
         ``2*cp_size`` under CP (else 1), times ``tp_size`` under sequence parallelism.
     pack_sequences(input_ids, lengths, loss_mask=None, *, pad_multiple=1, pad_token_id=0) -> PackedBatch
         Tokens and mask packed through one index: same boundaries, same per-sequence padding
-        (mask pad slots 0). PackedBatch(input_ids [1,T], loss_mask [1,T], cu_seqlens,
+        (mask pad slots 0; pad_token_id an int in [0, dtype max]). PackedBatch(input_ids [1,T], loss_mask [1,T], cu_seqlens,
         cu_seqlens_padded, max_seqlen).
     unpack_sequences(packed, cu_seqlens, cu_seqlens_padded, seq_len, fill=0) -> [B, seq_len]
     cp_shard(tensor, cp_size, cp_rank, cu_seqlens_padded=None) -> CP-local tensor
@@ -38,7 +40,7 @@ Layout (``layout``)
         and mask alike.
     split_output(output) -> (output, sliced_loss_mask | None); unwrap_output(output) -> output
         A CP-slicing model returns ``(output, sliced_loss_mask)`` when given a full loss_mask.
-    loss_mask_scope(loss_mask)  (context manager, contextvars: thread and asyncio safe)
+    loss_mask_scope(loss_mask)  (context manager, contextvars: thread and asyncio safe; Tensor or None)
         With ``import mtp_overlay`` (fix ``mtp-loss-mask``), GPTModel/HybridModel.forward calls
         made without a loss_mask inside the block get this one (MTP models, labels=None only;
         with labels it is a ValueError). Every loss_mask reaching those forwards is checked:

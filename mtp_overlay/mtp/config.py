@@ -6,7 +6,7 @@ attribute nobody reads, and MTP silently runs with the defaults.
 
 import dataclasses
 
-from .scaling import _core_version
+from ..fix import distribution_version
 
 # key -> first megatron-core release whose TransformerConfig has the field
 MTP_CONFIG_KEYS = {
@@ -33,7 +33,7 @@ def apply_mtp_config(config, mtp_config):
     for key in mtp_config:  # all checked before any is set: a refused config is left untouched
         if key not in fields:
             raise ValueError(
-                f"mtp_config[{key!r}]: {type(config).__name__} of the installed megatron-core {_core_version()} "
+                f"mtp_config[{key!r}]: {type(config).__name__} of the installed megatron-core {distribution_version('megatron-core')} "
                 f"has no field {key!r} (added in {MTP_CONFIG_KEYS[key]}); refusing to set it silently"
             )
     for key, value in mtp_config.items():

@@ -10,7 +10,7 @@ import contextlib
 import contextvars
 
 from .mask import _shape, unwrap_model
-from .packing import _check_cu_seqlens, cp_shard
+from .packing import _check_cp, _check_cu_seqlens, cp_shard
 
 _SCOPED_LOSS_MASK = contextvars.ContextVar("mtp_overlay_scoped_loss_mask", default=None)
 
@@ -51,7 +51,10 @@ def loss_mask_scope(loss_mask):
     be in the layout of the input_ids that reach GPTModel/HybridModel.forward: CP-local for a
     plain model. A model that slices CP itself must get its full-row mask as ``loss_mask``
     explicitly (the scope only reaches the inner forward, after the model's own slicing).
+    TypeError unless ``loss_mask`` is a torch.Tensor or None.
     """
+    if loss_mask is not None:
+        _check_tensor(loss_mask, "loss_mask", "a torch.Tensor or None")
     token = _SCOPED_LOSS_MASK.set(loss_mask)
     try:
         yield loss_mask
@@ -70,7 +73,16 @@ def check_loss_mask_layout(input_ids, loss_mask, packed_seq_params=None, cp_size
     Rules: same shape as ``input_ids``; for packed input (``packed_seq_params`` given; a row that is
     CP-local when ``cp_size`` > 1) zeros in every padding slot, i.e. past a sequence's real length
     (``cu_seqlens_q``) within its padded slot (``cu_seqlens_q_padded``) and past the last sequence.
+    TypeError for a non-tensor ``input_ids``/``loss_mask`` or a ``packed_seq_params`` without
+    ``cu_seqlens_q``; ValueError unless ``cp_size`` >= 1 and 0 <= ``cp_rank`` < ``cp_size``.
     """
+    _check_tensor(input_ids, "input_ids")
+    _check_tensor(loss_mask, "loss_mask")
+    if packed_seq_params is not None and not hasattr(packed_seq_params, "cu_seqlens_q"):
+        raise TypeError(
+            f"packed_seq_params must be a megatron PackedSeqParams (with cu_seqlens_q) or None, got {type(packed_seq_params).__name__}"
+        )
+    _check_cp(cp_size, cp_rank)
     if tuple(loss_mask.shape) != tuple(input_ids.shape):
         raise ValueError(
             f"loss_mask has layout {_shape(loss_mask)} but input_ids has {_shape(input_ids)}: the MTP loss mask "
@@ -118,6 +130,13 @@ def padding_slots(local_length, packed_seq_params, cp_size=1, cp_rank=0, device=
         size = padded[sequence] // (2 * cp_size)
         offset = torch.where(offset < size, cp_rank * size + offset, (2 * cp_size - 2 - cp_rank) * size + offset)
     return (position >= local_cu[-1]) | (offset >= real[sequence])
+
+
+def _check_tensor(value, name, expected="a torch.Tensor"):
+    import torch
+
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be {expected}, got {type(value).__name__}")
 
 
 def _as_list(tensor):

@@ -10,20 +10,34 @@ self-packing VLM recipes (NeMo-RL issue #2869).
 
 def unwrap_model(model):
     """The model inside DDP / Float16Module-style wrappers (followed through ``.module``)."""
+    chain = [model]
     while hasattr(model, "module"):
         model = model.module
+        if any(model is seen for seen in chain):
+            names = " -> ".join(type(seen).__name__ for seen in chain + [model])
+            raise ValueError(f"model: its .module chain is a cycle ({names}); expected it to end at the inner model")
+        chain.append(model)
     return model
 
 
 def config_of(model_or_config):
-    """The TransformerConfig of a (wrapped) model, or the argument itself when it is a config."""
+    """The TransformerConfig of a (wrapped) model, or the argument itself when it is a config.
+
+    TypeError unless the result has ``mtp_num_layers`` (megatron-core 0.12+ TransformerConfig).
+    """
     model = unwrap_model(model_or_config)
-    return getattr(model, "config", model)
+    config = getattr(model, "config", model)
+    if not hasattr(config, "mtp_num_layers"):
+        raise TypeError(
+            "model_or_config must be a TransformerConfig with mtp_num_layers, or a model (possibly wrapped "
+            f"through .module) whose .config has it; got {type(model_or_config).__name__}"
+        )
+    return config
 
 
 def mtp_num_layers(model_or_config):
-    """``config.mtp_num_layers`` as an int; 0 when the field is absent or None."""
-    return int(getattr(config_of(model_or_config), "mtp_num_layers", None) or 0)
+    """``config.mtp_num_layers`` as an int; 0 when it is None."""
+    return int(config_of(model_or_config).mtp_num_layers or 0)
 
 
 def mtp_enabled(model_or_config):
@@ -58,18 +72,33 @@ def check_token_mask(token_mask):
     check_binary(token_mask, "token_mask")
 
 
+def check_masks(token_mask, sample_mask):
+    """Both masks on one device, then `check_token_mask` and `check_sample_mask` (one weight per row)."""
+    import torch
+
+    tensors = isinstance(token_mask, torch.Tensor) and isinstance(sample_mask, torch.Tensor)
+    if tensors and token_mask.device != sample_mask.device:
+        raise ValueError(
+            f"token_mask is on {token_mask.device} but sample_mask on {sample_mask.device}: expected both on one device"
+        )
+    check_token_mask(token_mask)
+    check_sample_mask(sample_mask, token_mask.shape[0])
+
+
 def build_mtp_loss_mask(token_mask, sample_mask, model_or_config):
     """``token_mask [B, S] * sample_mask[:, None]`` as float32, or None when MTP is off.
 
     ``token_mask``: 1 on trained (response) tokens, 0 on prompt and padding, in the same [B, S]
     layout as ``input_ids`` and NOT shifted. ``sample_mask``: per-row weight, 0 drops the row.
+    Both masks are validated even when MTP is off (a bad mask is a bug either way): ValueError.
+    TypeError when ``model_or_config`` has no ``mtp_num_layers`` (see `config_of`).
     """
     import torch
 
-    if not mtp_enabled(model_or_config):
+    enabled = mtp_enabled(model_or_config)
+    check_masks(token_mask, sample_mask)
+    if not enabled:
         return None
-    check_token_mask(token_mask)
-    check_sample_mask(sample_mask, token_mask.shape[0])
     return token_mask.to(torch.float32) * sample_mask.to(torch.float32)[:, None]
 
 
@@ -82,8 +111,7 @@ def global_valid_tokens(token_mask, sample_mask, group=None):
     """
     import torch
 
-    check_token_mask(token_mask)
-    check_sample_mask(sample_mask, token_mask.shape[0])
+    check_masks(token_mask, sample_mask)
     total = (token_mask[:, 1:].to(torch.float64) * sample_mask.to(torch.float64)[:, None]).sum()
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         if group is None:

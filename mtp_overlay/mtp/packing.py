@@ -33,13 +33,15 @@ def pack_sequences(input_ids, lengths, loss_mask=None, *, pad_multiple=1, pad_to
     """Pack rows ``input_ids[b, :lengths[b]]`` into one [1, T] row, and ``loss_mask`` identically.
 
     ``input_ids``: [B, S]; ``lengths``: B integers in [0, S]; ``loss_mask``: [B, S] or None.
-    Each sequence is padded to a multiple of ``pad_multiple`` (see `padding_multiple`).
+    Each sequence is padded to a multiple of ``pad_multiple`` (see `padding_multiple`) with
+    ``pad_token_id``: an int in [0, max of input_ids' dtype].
     """
     import torch
 
     batch_size, seq_len = _check_rows(input_ids, "input_ids")
     lengths = _check_lengths(lengths, batch_size, seq_len, input_ids.device)
     _check_positive_int(pad_multiple, "pad_multiple")
+    _check_pad_token_id(pad_token_id, input_ids.dtype)
     if loss_mask is not None:
         _check_same_shape(loss_mask, "loss_mask", input_ids, "input_ids")
     padded = (lengths + pad_multiple - 1) // pad_multiple * pad_multiple
@@ -236,5 +238,19 @@ def _check_cp(cp_size, cp_rank):
 
 
 def _check_positive_int(value, name, minimum=1):
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int >= {minimum}, got {type(value).__name__} {value!r}")
+    if value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+
+
+def _check_pad_token_id(pad_token_id, dtype):
+    import torch
+
+    _check_positive_int(pad_token_id, "pad_token_id", minimum=0)
+    if dtype == torch.bool:
+        largest = 1
+    else:
+        largest = (torch.finfo if dtype.is_floating_point else torch.iinfo)(dtype).max
+    if pad_token_id > largest:
+        raise ValueError(f"pad_token_id must lie in [0, {largest}] (input_ids dtype {dtype}), got {pad_token_id}")

@@ -8,6 +8,7 @@ step, or it lands in a saved config.
 
 import contextlib
 
+from ..fix import distribution_version
 from .mask import config_of, global_valid_tokens
 
 
@@ -22,7 +23,7 @@ def mtp_grad_scale(model_or_config, token_mask, sample_mask, group=None):
     config = config_of(model_or_config)
     if not hasattr(config, "mtp_grad_scale_func"):
         raise ValueError(
-            f"{type(config).__name__} has no mtp_grad_scale_func field: megatron-core {_core_version()} "
+            f"{type(config).__name__} has no mtp_grad_scale_func field: megatron-core {distribution_version('megatron-core')} "
             "predates it (added in 0.19.0)"
         )
     if not getattr(config, "calculate_per_token_loss", False):
@@ -37,9 +38,3 @@ def mtp_grad_scale(model_or_config, token_mask, sample_mask, group=None):
         yield valid_tokens
     finally:
         config.mtp_grad_scale_func = None
-
-
-def _core_version():
-    from ..fix import distribution_version
-
-    return distribution_version("megatron-core") or "(not installed)"

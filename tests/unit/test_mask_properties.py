@@ -157,6 +157,13 @@ def mtp_config():
     return TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1, mtp_num_layers=1)
 
 
+@pytest.fixture(scope="module")
+def mtp_off_config():
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1)
+
+
 @PROPERTY
 @given(batches(), st.data())
 def test_mask_is_token_mask_times_sample_weight_only_with_mtp(mtp_config, batch, data):
@@ -181,8 +188,9 @@ MALFORMED = [
 
 @PROPERTY
 @given(batches(max_batch=4, max_len=12), st.sampled_from(MALFORMED), st.integers(2, 4), st.data())
-def test_every_malformed_input_is_a_value_error_naming_the_argument(mtp_config, batch, kind, cp_size, data):
+def test_every_malformed_input_is_a_value_error_naming_the_argument(mtp_config, mtp_off_config, batch, kind, cp_size, data):
     input_ids, lengths, mask = batch
+    config = data.draw(st.sampled_from([mtp_config, mtp_off_config]))  # masks are checked with MTP off too
     batch_size, seq_len = input_ids.shape
     if kind == "loss_mask_rows":
         call, name = lambda: mtp.pack_sequences(input_ids, lengths, mask[:-1] if batch_size > 1 else mask.repeat(2, 1)), "loss_mask"
@@ -211,13 +219,13 @@ def test_every_malformed_input_is_a_value_error_naming_the_argument(mtp_config, 
         bad = mask.clone()
         bad[data.draw(st.integers(0, batch_size - 1)), data.draw(st.integers(0, seq_len - 1))] = data.draw(
             st.sampled_from([0.5, 2.0, -1.0, float("nan")]))
-        call, name = lambda: mtp.build_mtp_loss_mask(bad, torch.ones(batch_size), mtp_config), "token_mask"
+        call, name = lambda: mtp.build_mtp_loss_mask(bad, torch.ones(batch_size), config), "token_mask"
     elif kind == "nan_sample_weight":
         weights = torch.ones(batch_size)
         weights[data.draw(st.integers(0, batch_size - 1))] = float("nan")
-        call, name = lambda: mtp.build_mtp_loss_mask(mask, weights, mtp_config), "sample_mask"
+        call, name = lambda: mtp.build_mtp_loss_mask(mask, weights, config), "sample_mask"
     elif kind == "sample_mask_rows":
-        call, name = lambda: mtp.build_mtp_loss_mask(mask, torch.ones(batch_size + 1), mtp_config), "sample_mask"
+        call, name = lambda: mtp.build_mtp_loss_mask(mask, torch.ones(batch_size + 1), config), "sample_mask"
     else:  # cu_seqlens_end: boundaries that do not cover the packed row
         packed = mtp.pack_sequences(input_ids, lengths, mask, pad_multiple=2 * cp_size)
         cu = packed.cu_seqlens_padded.clone()
@@ -292,3 +300,129 @@ def test_output_of_a_cp_slicing_model_is_unwrapped():
     assert mtp.unwrap_output((logits, sliced)) is logits and mtp.unwrap_output(logits) is logits
     with pytest.raises(ValueError, match="output: expected a tensor or"):
         mtp.unwrap_output((logits, sliced, sliced))
+
+
+def test_layout_check_refuses_non_tensors_and_out_of_range_cp_arguments():
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    packed = mtp.pack_sequences(torch.arange(1, 17).reshape(2, 8), torch.tensor([3, 8]), torch.ones(2, 8), pad_multiple=4)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=packed.cu_seqlens, cu_seqlens_q_padded=packed.cu_seqlens_padded)
+    local = mtp.cp_shard(packed.loss_mask, 2, 1, packed.cu_seqlens_padded)
+    mtp.check_loss_mask_layout(local, local, params, cp_size=2, cp_rank=1)  # the valid call
+    # rank 7 of 2 used to pass the shape check and report stray "padding slots"
+    with pytest.raises(ValueError, match=r"cp_rank must lie in \[0, cp_size=2\), got 7"):
+        mtp.check_loss_mask_layout(local, local, params, cp_size=2, cp_rank=7)
+    with pytest.raises(ValueError, match=r"cp_size must be an int >= 1, got 0"):
+        mtp.check_loss_mask_layout(local, local, params, cp_size=0, cp_rank=0)
+    with pytest.raises(ValueError, match=r"cp_rank must be an int >= 0, got -1"):
+        mtp.check_loss_mask_layout(local, local, params, cp_size=2, cp_rank=-1)
+    with pytest.raises(TypeError, match="cp_size must be an int >= 1, got float 2.0"):
+        mtp.check_loss_mask_layout(local, local, params, cp_size=2.0, cp_rank=1)
+    with pytest.raises(TypeError, match="input_ids must be a torch.Tensor, got list"):
+        mtp.check_loss_mask_layout(local.tolist(), local)
+    with pytest.raises(TypeError, match="loss_mask must be a torch.Tensor, got NoneType"):
+        mtp.check_loss_mask_layout(local, None)
+    with pytest.raises(TypeError, match=r"packed_seq_params must be a megatron PackedSeqParams \(with cu_seqlens_q\) or None, got dict"):
+        mtp.check_loss_mask_layout(local, local, {"cu_seqlens_q": packed.cu_seqlens}, cp_size=2, cp_rank=1)
+
+
+class Wrapper:
+    """A DDP / Float16Module-style wrapper: the wrapped model under ``.module``."""
+
+    def __init__(self, module):
+        self.module = module
+
+
+class Model:
+    def __init__(self, config):
+        self.config = config
+
+
+@pytest.mark.parametrize("bad", [{"mtp_num_layers": 1}, None, object(), Wrapper(Model({"mtp_num_layers": 1}))])
+def test_mask_build_refuses_anything_but_a_config_or_model_with_mtp_num_layers(mtp_config, mtp_off_config, bad):
+    token_mask, weights = torch.tensor([[0.0, 1.0, 1.0], [1.0, 1.0, 0.0]]), torch.tensor([1.0, 0.5])
+    expected = torch.tensor([[0.0, 1.0, 1.0], [0.5, 0.5, 0.0]])
+    assert torch.equal(mtp.build_mtp_loss_mask(token_mask, weights, Wrapper(Wrapper(Model(mtp_config)))), expected)
+    assert mtp.build_mtp_loss_mask(token_mask, weights, Wrapper(Model(mtp_off_config))) is None
+    with pytest.raises(TypeError, match=f"model_or_config must be a TransformerConfig with mtp_num_layers.*got {type(bad).__name__}"):
+        mtp.build_mtp_loss_mask(token_mask, weights, bad)
+
+
+DEVICES = [("cpu", "meta"), ("meta", "cpu"), pytest.param("cuda", "cpu", marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("token_device, sample_device", DEVICES)
+def test_masks_on_two_devices_are_a_value_error_naming_both(mtp_config, mtp_off_config, token_device, sample_device):
+    if "cuda" in (token_device, sample_device) and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    token_mask, weights = torch.ones(2, 3, device=token_device), torch.ones(2, device=sample_device)
+    message = f"token_mask is on {token_device} but sample_mask on {sample_device}"
+    for config in (mtp_config, mtp_off_config):
+        with pytest.raises(ValueError, match=message):
+            mtp.build_mtp_loss_mask(token_mask, weights, config)
+    with pytest.raises(ValueError, match=message):
+        mtp.global_valid_tokens(token_mask, weights)
+
+
+@pytest.mark.parametrize("bad", [{"mask": 1}, [[1.0, 0.0]], 1.0])
+def test_loss_mask_scope_takes_only_a_tensor_or_none(bad):
+    mask = torch.ones(1, 4)
+    with mtp.loss_mask_scope(mask):
+        with pytest.raises(TypeError, match=f"loss_mask must be a torch.Tensor or None, got {type(bad).__name__}"):
+            with mtp.loss_mask_scope(bad):
+                pass
+        assert mtp.scoped_loss_mask() is mask  # the refused scope changed nothing
+        with mtp.loss_mask_scope(None):
+            assert mtp.scoped_loss_mask() is None
+    assert mtp.scoped_loss_mask() is None
+
+
+def test_unwrap_model_names_a_module_cycle_instead_of_looping(mtp_config):
+    inner = Model(mtp_config)
+    assert mtp.unwrap_model(Wrapper(Wrapper(inner))) is inner
+    looped = Wrapper(None)
+    looped.module = looped
+    with pytest.raises(ValueError, match=r"model: its .module chain is a cycle \(Wrapper -> Wrapper\)"):
+        mtp.unwrap_model(looped)
+    first = Wrapper(None)
+    second = Wrapper(first)
+    first.module = second
+    with pytest.raises(ValueError, match=r"cycle \(Wrapper -> Wrapper -> Wrapper\)"):
+        mtp.build_mtp_loss_mask(torch.ones(1, 2), torch.ones(1), first)
+
+
+@PROPERTY
+@given(st.sampled_from([torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64]), st.data())
+def test_pad_token_id_fills_the_padding_and_must_fit_the_dtype(dtype, data):
+    largest = torch.iinfo(dtype).max
+    pad = data.draw(st.integers(0, largest))
+    input_ids = torch.ones(2, 4, dtype=dtype)
+    packed = mtp.pack_sequences(input_ids, torch.tensor([1, 3]), pad_multiple=4, pad_token_id=pad)
+    assert packed.input_ids.tolist() == [[1, pad, pad, pad, 1, 1, 1, pad]]
+    too_large = data.draw(st.integers(largest + 1, 2 * largest + 2))
+    for bad in (too_large, -data.draw(st.integers(1, largest))):
+        with pytest.raises(ValueError, match=f"pad_token_id must "):
+            mtp.pack_sequences(input_ids, torch.tensor([1, 3]), pad_token_id=bad)
+    for bad in (1.0, True, None, torch.tensor(0)):
+        with pytest.raises(TypeError, match=f"pad_token_id must be an int >= 0, got {type(bad).__name__}"):
+            mtp.pack_sequences(input_ids, torch.tensor([1, 3]), pad_token_id=bad)
+
+
+def test_version_in_errors_comes_from_the_shared_distribution_version():
+    import dataclasses
+
+    from mtp_overlay.fix import distribution_version
+
+    version = distribution_version("megatron-core")
+    assert version and not hasattr(mtp.scaling, "_core_version")
+
+    @dataclasses.dataclass
+    class OldConfig:  # a TransformerConfig from before mtp_detach_heads and mtp_grad_scale_func
+        mtp_num_layers: int = 1
+        calculate_per_token_loss: bool = True
+
+    with pytest.raises(ValueError, match=f"OldConfig of the installed megatron-core {version} has no field 'mtp_detach_heads'"):
+        mtp.apply_mtp_config(OldConfig(), {"mtp_detach_heads": True})
+    with pytest.raises(ValueError, match=f"no mtp_grad_scale_func field: megatron-core {version} predates it"):
+        with mtp.mtp_grad_scale(OldConfig(), torch.ones(1, 2), torch.ones(1)):
+            pass
