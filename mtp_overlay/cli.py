@@ -34,6 +34,7 @@ def _status(args):
 
 
 def _check(args):
+    registry.uninstall(args.only)  # probe the stock code: no hook fires (or raises) while targets import
     rows = registry.check(args.only)
     if args.json:
         print(json.dumps([row.as_dict() for row in rows], indent=2))
@@ -69,7 +70,11 @@ def build_parser():
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
-    return args.run(args)
+    try:
+        return args.run(args)
+    except (ValueError, OSError) as exc:  # bad names, paths, permissions: usage, not a crash
+        print(f"mtp-overlay {args.command}: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -36,6 +36,8 @@ class Verdict:
 
     __slots__ = ("state", "reason")
     NEEDED, REDUNDANT, DRIFTED = "needed", State.REDUNDANT, State.DRIFTED
+    # aggregating verdicts over several targets (and probe failures) reports the first of these
+    PRIORITY = (State.FAILED, DRIFTED, NEEDED, REDUNDANT)
 
     def __init__(self, state, reason=""):
         self.state, self.reason = state, reason
@@ -71,14 +73,15 @@ class Provenance:
 
 
 class FixStatus:
-    """One row of `mtp_overlay.status()`."""
+    """One row of `mtp_overlay.status()` / `check()`: the fix, its upstream, and where it stands."""
 
-    __slots__ = ("name", "distribution", "version", "state", "reason", "late", "patched")
+    __slots__ = ("name", "summary", "distribution", "version", "state", "reason", "late", "patched", "provenance")
 
-    def __init__(self, name, distribution, version, state, reason, late, patched=None):
-        self.name, self.distribution, self.version = name, distribution, version
-        self.state, self.reason, self.late = state, reason, late
+    def __init__(self, fix, version, state, reason, late, patched=None):
+        self.name, self.summary, self.distribution = fix.name, fix.summary, fix.distribution
+        self.version, self.state, self.reason, self.late = version, state, reason, late
         self.patched = patched  # source patch on disk: True, False, None (no variant for this install)
+        self.provenance = fix.provenance.as_dict() if fix.provenance else None
 
     def as_dict(self):
         return {name: getattr(self, name) for name in self.__slots__}
@@ -174,14 +177,20 @@ class Fix:
             if key in self._originals:
                 continue
             original = vars(owner)[attribute]
-            wrapt.wrap_function_wrapper(owner, attribute, wrapper)
-            self._originals[key] = original
+            self._originals[key] = (original, wrapt.wrap_function_wrapper(owner, attribute, wrapper))
 
     def uninstall_wrappers(self):
-        """Put back every original object, by identity."""
+        """Put back every original object, by identity, unless someone wrapped ours since (then
+        ours stays inside theirs: removing it would drop their wrapper too; warned)."""
         with self._lock:
-            for (owner, attribute), original in self._originals.items():
-                setattr(owner, attribute, original)
+            for (owner, attribute), (original, ours) in self._originals.items():
+                if vars(owner).get(attribute) is ours:
+                    setattr(owner, attribute, original)
+                else:
+                    where = f"{getattr(owner, '__qualname__', getattr(owner, '__name__', owner))}.{attribute}"
+                    warnings.warn(OverlayWarning(
+                        f"mtp-overlay fix {self.name!r}: {where} was wrapped again after the overlay; "
+                        "left in place (uninstall the outer wrapper first)"), stacklevel=3)
             self._originals.clear()
 
     def uninstall(self):
@@ -192,6 +201,10 @@ class Fix:
     def wrapped(self):
         """The (owner, attribute) pairs this fix currently wraps."""
         return list(self._originals)
+
+    def handled(self, target):
+        """Whether the import of ``target`` has already been probed (and the fix put in, if needed)."""
+        return target in self._target_states
 
     def state(self):
         """(state, reason) aggregated over the targets imported so far."""

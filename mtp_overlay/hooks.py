@@ -15,6 +15,7 @@ from _thread import RLock
 
 _lock = RLock()
 _callbacks = {}  # module name -> callbacks still waiting for its import
+_watched = frozenset()  # what the trigger wakes on: waiting names and their top packages
 _armed = set()  # names whose dispatcher wrapt holds
 _handed_over = False
 
@@ -30,6 +31,7 @@ def when_imported(name, callback):
             waiting = _callbacks.setdefault(name, [])
             if callback not in waiting:
                 waiting.append(callback)
+            _watch()
             _arm(name)
             return False
     callback(module)
@@ -44,6 +46,7 @@ def cancel(name, callback):
             waiting.remove(callback)
         if not waiting:
             _callbacks.pop(name, None)
+        _watch()
 
 
 def waiting():
@@ -52,10 +55,16 @@ def waiting():
         return sorted(_callbacks)
 
 
+def _watch():
+    global _watched
+    _watched = frozenset(_callbacks) | {name.partition(".")[0] for name in _callbacks}
+
+
 def _dispatch(module):
     with _lock:
         callbacks = _callbacks.pop(module.__name__, [])
         _armed.discard(module.__name__)
+        _watch()
     for callback in callbacks:
         callback(module)
 
@@ -72,7 +81,7 @@ def _arm(name):
 
 
 def _hand_over():
-    """Give every waiting module to wrapt; return wrapt's finder."""
+    """Give every waiting module to wrapt; return wrapt's finder (None if nothing was waiting)."""
     global _handed_over
     import wrapt.importer  # outside the lock: another thread may hold wrapt's module lock
 
@@ -81,20 +90,17 @@ def _hand_over():
             _handed_over = True
             for name in list(_callbacks):
                 _arm(name)
-    return next(f for f in sys.meta_path if isinstance(f, wrapt.importer.ImportHookFinder))
+    return next((f for f in sys.meta_path if isinstance(f, wrapt.importer.ImportHookFinder)), None)
 
 
 class _ImportTrigger:
     """Meta-path finder that wakes on the first lookup of a waiting module or its top package."""
 
     def find_spec(self, fullname, path=None, target=None):
-        if _handed_over:
+        if _handed_over or fullname not in _watched:
             return None
-        with _lock:
-            tops = {name.partition(".")[0] for name in _callbacks}
-            if fullname not in _callbacks and fullname not in tops:
-                return None
-        return _hand_over().find_spec(fullname, path, target)
+        finder = _hand_over()
+        return None if finder is None else finder.find_spec(fullname, path, target)
 
 
 _TRIGGER = _ImportTrigger()

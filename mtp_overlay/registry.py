@@ -5,9 +5,10 @@ import machinery.
 """
 
 import os
+import warnings
 
 from . import hooks
-from .fix import FixStatus, State, distribution_version, strict_from_env
+from .fix import FixStatus, OverlayError, OverlayWarning, State, Verdict, distribution_version, strict_from_env
 from .fixes import device_broadcast, loss_mask, modules_cache, sp_scatter
 
 FIXES = [sp_scatter.FIX, loss_mask.FIX, modules_cache.FIX, device_broadcast.FIX]
@@ -25,14 +26,22 @@ def _select(names):
     return FIXES if names is None else [get(name) for name in ([names] if isinstance(names, str) else names)]
 
 
-def disabled_from_env():
-    """Names switched off by ``MTP_OVERLAY_DISABLE=name,name`` or ``=all``."""
+def disabled_from_env(strict=False):
+    """Names switched off by ``MTP_OVERLAY_DISABLE=name,name`` or ``=all``.
+
+    An unknown name is a typo the user must hear about, but runs at import (often from the startup
+    hook), so it warns and is ignored; strict mode raises.
+    """
     raw = {part.strip() for part in os.environ.get("MTP_OVERLAY_DISABLE", "").split(",") if part.strip()}
+    known = {fix.name for fix in FIXES}
     if "all" in raw:
-        return {fix.name for fix in FIXES}
-    for name in raw:
-        get(name)  # an unknown name is a typo the user must hear about
-    return raw
+        return known
+    for name in sorted(raw - known):
+        message = f"MTP_OVERLAY_DISABLE names unknown fix {name!r}: expected 'all' or any of {', '.join(sorted(known))}"
+        if strict:
+            raise OverlayError(message)
+        warnings.warn(OverlayWarning(message), stacklevel=3)
+    return raw & known
 
 
 def install(only=None, skip=(), strict=None):
@@ -43,15 +52,17 @@ def install(only=None, skip=(), strict=None):
     """
     strict = strict_from_env() if strict is None else bool(strict)
     skipped = {get(name).name for name in ([skip] if isinstance(skip, str) else skip)}
-    env_disabled = disabled_from_env()
+    env_disabled = disabled_from_env(strict)
     for fix in _select(only):
         if fix.name in env_disabled or fix.name in skipped:
             why = "MTP_OVERLAY_DISABLE" if fix.name in env_disabled else "install(skip=...)"
-            fix.disabled_reason = f"disabled by {why}"
+            _remove(fix, f"disabled by {why}")
             continue
         fix.disabled_reason = None
         fix.strict = strict
         for target in fix.targets:
+            if fix.handled(target):  # probed and installed (or stood down) already: nothing to redo
+                continue
             if hooks.when_imported(target, fix.on_import):
                 fix.late = True
 
@@ -59,10 +70,14 @@ def install(only=None, skip=(), strict=None):
 def uninstall(only=None):
     """Remove the selected fixes: cancel waiting hooks, restore every original object."""
     for fix in _select(only):
-        for target in fix.targets:
-            hooks.cancel(target, fix.on_import)
-        fix.uninstall()
-        fix.disabled_reason = "uninstalled"
+        _remove(fix, "uninstalled")
+
+
+def _remove(fix, reason):
+    for target in fix.targets:
+        hooks.cancel(target, fix.on_import)
+    fix.uninstall()
+    fix.disabled_reason = reason
 
 
 def status(only=None):
@@ -77,7 +92,7 @@ def status(only=None):
         if version is None and state == State.PENDING:
             state, reason = State.ABSENT, f"{fix.distribution} is not installed"
         patched = patched_on_disk(fix) if version is not None else None
-        rows.append(FixStatus(fix.name, fix.distribution, version, state, reason, fix.late, patched))
+        rows.append(FixStatus(fix, version, state, reason, fix.late, patched))
     return rows
 
 
@@ -89,20 +104,20 @@ def check(only=None):
     """
     import importlib
 
-    from .fix import Verdict, drifted
+    from .fix import drifted
 
     rows = []
     for fix in _select(only):
         version = distribution_version(fix.distribution)
         if version is None:
-            rows.append(FixStatus(fix.name, fix.distribution, None, State.ABSENT, f"{fix.distribution} is not installed", False))
+            rows.append(FixStatus(fix, None, State.ABSENT, f"{fix.distribution} is not installed", False))
             continue
         verdicts, missing = [], []
         for target in fix.targets:
             try:
                 module = importlib.import_module(target)
             except ModuleNotFoundError as exc:
-                if exc.name and target.startswith(exc.name):
+                if exc.name and (target == exc.name or target.startswith(exc.name + ".")):
                     missing.append(target)
                     continue
                 verdicts.append((target, Verdict(State.FAILED, f"import failed: {exc}")))
@@ -116,8 +131,7 @@ def check(only=None):
                 verdicts.append((target, Verdict(State.FAILED, f"probe raised {type(exc).__name__}: {exc}")))
         if not verdicts:
             verdicts.append((", ".join(missing), drifted("no target module exists in this release")))
-        order = (State.FAILED, State.DRIFTED, Verdict.NEEDED, State.REDUNDANT)
-        state = next(s for s in order if any(v.state == s for _, v in verdicts))
+        state = next(s for s in Verdict.PRIORITY if any(v.state == s for _, v in verdicts))
         reason = "; ".join(f"{t}: {v.reason}" if v.reason else t for t, v in verdicts if v.state == state)
-        rows.append(FixStatus(fix.name, fix.distribution, version, state, reason, False))
+        rows.append(FixStatus(fix, version, state, reason, False))
     return rows

@@ -19,7 +19,7 @@ command -v git >/dev/null || { echo "container_build.sh: mtp-overlay patch needs
 "$python" -m pip install -q -c scripts/constraints.txt megatron-core vllm transformers ray wrapt packaging
 "$python" -m pip install -q --no-deps .
 
-# the manifest and patch files come from this source tree: they are not inside the installed package
-patch=("$python" -m mtp_overlay.cli patch --python "$python" --manifest "$PWD/patches/manifest.json")
+# the patches and their manifest ship inside the installed package
+patch=("$python" -m mtp_overlay.cli patch --python "$python")
 "${patch[@]}" apply
 "${patch[@]}" check --fail-on-needed

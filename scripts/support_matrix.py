@@ -15,7 +15,7 @@ from mtp_overlay.fix import distribution_version
 from mtp_overlay.testing.releases import release_site, run_with_release
 
 RELEASES = {
-    "megatron-core": ["0.16.1", "0.17.1", "0.18.2", "0.19.2"],
+    "megatron-core": ["0.14.0", "0.15.3", "0.16.1", "0.17.1", "0.18.2", "0.19.2"],
     "vllm": ["0.25.1", "0.33.0"],
     "ray": [None],  # None: the venv's pinned release
 }

@@ -24,7 +24,7 @@ SIGNATURES = {
     _BASE + ("packed_seq_params",): ("0.16-0.17", 2),
     _BASE + ("packed_seq_params", "padding_mask"): ("0.18-0.19", 3),
 }
-EMBEDDING_POSITION = 2  # in args, after input_ids and position_ids (self is bound by wrapt)
+EMBEDDING_POSITION, HIDDEN_STATES_POSITION = 2, 3  # in args (self is bound by wrapt)
 
 
 def signature_variant(function):
@@ -35,9 +35,11 @@ def signature_variant(function):
 
 
 def stock_get_embeddings(layer_class):
-    """The upstream `_get_embeddings`, seen through this fix's own wrapper."""
+    """The upstream `_get_embeddings`, seen through every wrapper (this fix's, a decorator's)."""
+    import inspect
+
     method = vars(layer_class).get("_get_embeddings")
-    return getattr(method, "__wrapped__", method)
+    return None if method is None else inspect.unwrap(method)
 
 
 def stock_mtp_input_lengths():
@@ -97,7 +99,7 @@ class SPScatterFix(Fix):
             return redundant(f"_get_embeddings already calls {SCATTER} (upstream PR #6256 or patched on disk)")
         variant = signature_variant(method)
         if variant is None:
-            known = "; ".join(f"{v}: {p}" for p, v in SIGNATURES.items())
+            known = "; ".join(f"{family}: {p}" for p, (family, _) in SIGNATURES.items())
             return drifted(f"_get_embeddings{method.__code__.co_varnames[:method.__code__.co_argcount]} matches none of {known}")
         return needed(f"signature of megatron-core {variant[0]}")
 
@@ -114,29 +116,35 @@ class SPScatterFix(Fix):
         import wrapt
 
         class ScatteringEmbedding(wrapt.CallableObjectProxy):
-            """The model's embedding, its output scattered to the sequence-parallel region."""
+            """The model's embedding, its output scattered to the sequence-parallel region unless it
+            already matches the hidden states' length (never scatter twice)."""
 
-            def __init__(self, embedding, group):
+            def __init__(self, embedding, group, hidden_length):
                 super().__init__(embedding)
-                self._self_group = group
+                self._self_group, self._self_hidden_length = group, hidden_length
 
             def __call__(self, *args, **kwargs):
                 output = self.__wrapped__(*args, **kwargs)
+                if output.shape[0] == self._self_hidden_length:
+                    return output
                 scatter = _scatter_function(module)
                 if self._self_group is None:
                     return scatter(output)
                 return scatter(output, group=self._self_group)
 
+        def argument(name, position, args, kwargs):
+            if name in kwargs:
+                return kwargs[name]
+            if len(args) > position:
+                return args[position]
+            raise TypeError(f"_get_embeddings() missing required argument: {name!r}")
+
         def get_embeddings(wrapped, instance, args, kwargs):
-            if "embedding" in kwargs:
-                embedding = kwargs["embedding"]
-            elif len(args) > EMBEDDING_POSITION:
-                embedding = args[EMBEDDING_POSITION]
-            else:
-                raise TypeError("_get_embeddings() missing required argument: 'embedding'")
+            embedding = argument("embedding", EMBEDDING_POSITION, args, kwargs)
             if not instance.config.sequence_parallel or embedding_scatters(embedding):
                 return wrapped(*args, **kwargs)
-            scattering = ScatteringEmbedding(embedding, getattr(instance, "tp_group", None))
+            hidden_states = argument("hidden_states", HIDDEN_STATES_POSITION, args, kwargs)
+            scattering = ScatteringEmbedding(embedding, getattr(instance, "tp_group", None), hidden_states.shape[0])
             if "embedding" in kwargs:
                 kwargs = dict(kwargs, embedding=scattering)
             else:

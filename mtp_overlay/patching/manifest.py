@@ -15,7 +15,8 @@ from functools import lru_cache
 from pathlib import Path
 
 FORMAT = 1
-DEFAULT_PATH = Path(__file__).resolve().parents[2] / "patches" / "manifest.json"
+# mtp_overlay/patches links to the top-level patches/ in the source tree and is a copy of it in a wheel
+DEFAULT_PATH = Path(__file__).resolve().parents[1] / "patches" / "manifest.json"
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 

@@ -235,8 +235,43 @@ def test_disable_switch(monkeypatch):
         monkeypatch.delenv("MTP_OVERLAY_DISABLE")
         registry.install(only=["mtp-sp-scatter"])
     monkeypatch.setenv("MTP_OVERLAY_DISABLE", "mtp-sp-scater")
-    with pytest.raises(ValueError, match="unknown fix 'mtp-sp-scater'"):
-        registry.install()
+    with pytest.warns(OverlayWarning, match="unknown fix 'mtp-sp-scater'.*mtp-sp-scatter"):
+        registry.install(only=["mtp-sp-scatter"])  # a typo never breaks the import that reads it
+    with pytest.raises(OverlayError, match="unknown fix 'mtp-sp-scater'"):
+        registry.install(only=["mtp-sp-scatter"], strict=True)
+
+
+def test_disabling_an_installed_fix_takes_its_wrappers_off(target, register, monkeypatch):
+    module = importlib.import_module(target())
+    fix = register(DoublingFix(module.__name__))
+    registry.install(only=[fix.name])
+    assert module.Target().compute(1) == 4
+    registry.install(only=[fix.name], skip=[fix.name])
+    assert module.Target().compute(1) == 2
+    assert registry.status(only=[fix.name])[0].state == State.DISABLED
+
+
+def test_reinstall_after_a_timely_install_is_not_late_and_does_not_probe_again(target, register):
+    name = target()
+    fix = register(DoublingFix(name))
+    registry.install(only=[fix.name])
+    module = importlib.import_module(name)
+    probes = []
+    fix.probe = lambda module: probes.append(module) or needed()
+    registry.install(only=[fix.name])
+    row = registry.status(only=[fix.name])[0]
+    assert (row.state, row.late, probes) == (State.INSTALLED, False, [])
+    assert module.Target().compute(1) == 4
+
+
+def test_uninstall_leaves_a_wrapper_stacked_on_top_of_ours_and_says_so(target, register):
+    module = importlib.import_module(target())
+    fix = register(DoublingFix(module.__name__))
+    registry.install(only=[fix.name])
+    wrapt.wrap_function_wrapper(module.Target, "compute", lambda wrapped, instance, args, kwargs: wrapped(*args, **kwargs) + 100)
+    with pytest.warns(OverlayWarning, match="wrapped again after the overlay"):
+        registry.uninstall(only=[fix.name])
+    assert module.Target().compute(1) == 104  # the outer wrapper survives, ours inside it
 
 
 def test_disable_all_in_a_fresh_interpreter():
