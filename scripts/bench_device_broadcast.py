@@ -21,40 +21,16 @@ import torch
 
 import mtp_overlay  # installs the fix, to be found on vLLM's producer below
 from mtp_overlay.fixes.device_broadcast import normalizing_producer
+from mtp_overlay.testing.streams import HostCommunicator, host_streams
 from vllm.distributed.weight_transfer import packed_tensor
 
 NAME = "device-normalized-broadcast"
 MIB = 1 << 20
 
 
-class Communicator:
-    """PyNcclCommunicator's surface: the device it works on, and a broadcast (here a no-op)."""
-
-    def __init__(self, device):
-        self.device = torch.device(device)
-
-    def broadcast(self, tensor, src, stream=None):
-        pass
-
-
-class HostStream:
-    def synchronize(self):
-        pass
-
-
-@contextlib.contextmanager
-def host_streams():
+def host_streams_without_cuda():
     """The producer's CUDA streams, as no-ops on a machine without CUDA."""
-    if torch.cuda.is_available():
-        yield
-        return
-    stream = HostStream()
-    with (
-        mock.patch.object(packed_tensor, "_get_streams", lambda index, count: (stream,) * count),
-        mock.patch.object(torch.accelerator, "current_device_index", lambda: 0),
-        mock.patch.object(torch.cuda, "stream", lambda s: contextlib.nullcontext()),
-    ):
-        yield
+    return contextlib.nullcontext() if torch.cuda.is_available() else host_streams()
 
 
 def export_stream(gib, tensor_mib, device):
@@ -71,7 +47,7 @@ def export_stream(gib, tensor_mib, device):
 
 def send(producer, stream, device):
     start = time.perf_counter()
-    producer(iter(stream), Communicator(device), 0, lambda item: item[1])  # vLLM's default 1 GiB buffer
+    producer(iter(stream), HostCommunicator(device), 0, lambda item: item[1])  # vLLM's default 1 GiB buffer
     if device.type == "cuda":
         torch.cuda.synchronize()
     return time.perf_counter() - start
@@ -89,10 +65,10 @@ def fix_overhead(stream, device, calls=200):
         return item[1]
 
     def direct():
-        drain(iter(stream), Communicator(device), 0, second)
+        drain(iter(stream), HostCommunicator(device), 0, second)
 
     def hooked():
-        normalizing_producer(drain, None, (iter(stream), Communicator(device), 0, second), {})
+        normalizing_producer(drain, None, (iter(stream), HostCommunicator(device), 0, second), {})
 
     def per_call(call):
         start = time.perf_counter()
@@ -153,7 +129,7 @@ def main():
 
     producers = {"stock": stock, "fixed": fixed}
     times = {"stock": [], "fixed": []}
-    with host_streams():
+    with host_streams_without_cuda():
         for name in ("stock", "fixed"):  # warm-up: first-touch page faults of the packed buffer
             send(producers[name], stream, device)
         for repeat in range(args.repeats):  # back-to-back pairs, alternating which goes first

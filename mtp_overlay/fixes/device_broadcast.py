@@ -36,7 +36,7 @@ def canonical_device(device):
         raise TypeError(f"device must be a torch.device, str or int, got {type(device).__name__}: {device!r}")
     try:
         return torch.empty(0, device=device).device
-    except RuntimeError as exc:
+    except (RuntimeError, AssertionError) as exc:  # a CPU-only torch asserts for "cuda"
         raise ValueError(f"device {device!r} is not a device this process can allocate on: {exc}") from exc
 
 
@@ -216,8 +216,8 @@ class DeviceNormalizedBroadcastFix(Fix):
         if (module, name) in self._originals:
             return
         bound = vars(module)[name]
-        for (owner, attribute), original in self._originals.items():
-            if attribute == name and vars(owner).get(attribute) is bound:
+        for (_, attribute), (original, ours) in self._originals.items():
+            if attribute == name and bound is ours:
                 setattr(module, name, original)
 
 

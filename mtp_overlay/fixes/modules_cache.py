@@ -235,11 +235,14 @@ class ModulesCacheFix(Fix):
     def add_to_import_path(self, folder):
         """Put ``folder`` on ``sys.path`` and ``PYTHONPATH`` once each (by real path); False if refused.
 
-        Appended to the end of ``sys.path``, where transformers' own `init_hf_modules` puts it: only
-        package ``transformers_modules`` is looked up there, so a folder written at run time can never
-        shadow a module this process would otherwise import. Appended to ``PYTHONPATH`` for children,
-        and left as is where a parent already put it there, so no generation adds it twice.
-        `uninstall()` leaves both as they are, as it would after a remote-code load.
+        Appended to the end of ``sys.path``, where transformers' own `init_hf_modules` puts it, so in
+        this process only names found nowhere else (package ``transformers_modules``) come from it.
+        Children get it through ``PYTHONPATH``, whose entries come before the standard library and
+        site-packages: there any module written into the folder (only ``transformers_modules`` is
+        expected) would shadow a module of the same name. Hence `unsafe_reason` refuses a folder that
+        someone other than this user or root could write into or swap. Left as is on ``PYTHONPATH``
+        where a parent already put it, so no generation adds it twice. `uninstall()` leaves both as
+        they are, as it would after a remote-code load.
         """
         with self._lock:
             reason = unsafe_reason(folder)

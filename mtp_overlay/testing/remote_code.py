@@ -6,6 +6,7 @@ worker cannot import ``transformers_modules``.
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -30,7 +31,7 @@ import ray
 from transformers import AutoConfig
 
 config = AutoConfig.from_pretrained(sys.argv[1], trust_remote_code=True)
-ray.init(num_cpus=1, include_dashboard=False, _node_ip_address="127.0.0.1")
+ray.init(num_cpus=1, include_dashboard=False, _temp_dir=sys.argv[2], _node_ip_address="127.0.0.1")
 
 
 @ray.remote(num_cpus=0)
@@ -60,20 +61,41 @@ def write_remote_code_model(folder, marker=42):
     return folder
 
 
-def ray_round_trip(overlay=True):
+def ray_round_trip(overlay=True, timeout=300):
     """Load the tiny config with trust_remote_code, hand it to a Ray actor on a fresh local cluster
-    and read it back, in a clean subprocess; returns what the driver printed after ``RESULT``."""
-    with tempfile.TemporaryDirectory(prefix="mtp-rt") as tmp:
-        model = write_remote_code_model(Path(tmp) / "model")
-        cwd = Path(tmp) / "cwd"  # Ray puts the driver's cwd on workers' sys.path: keep it empty
+    and read it back, in a clean subprocess; returns what the driver printed after ``RESULT``.
+
+    The driver leads a process group of its own, which the Ray processes it starts (gcs, raylet,
+    workers) join: the whole group is killed when the call ends, on a timeout too, so none outlives it.
+    """
+    with tempfile.TemporaryDirectory(prefix="mtp-rt", dir="/tmp", ignore_cleanup_errors=True) as tmp:
+        tmp = Path(tmp)  # short and private: Ray puts its unix sockets under _temp_dir
+        model = write_remote_code_model(tmp / "model")
+        cwd = tmp / "cwd"  # Ray puts the driver's cwd on workers' sys.path: keep it empty
         cwd.mkdir()
         env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "MTP_OVERLAY_", "RAY_"))}
-        env.update(HF_MODULES_CACHE=str(Path(tmp) / "modules"), RAY_AUTH_MODE="disabled")
+        env.update(HF_MODULES_CACHE=str(tmp / "modules"), RAY_AUTH_MODE="disabled")
         if not overlay:
             env["MTP_OVERLAY_DISABLE"] = "hf-modules-cache"
-        proc = subprocess.run([sys.executable, "-c", ROUND_TRIP, str(model)], capture_output=True, text=True,
-                              cwd=cwd, env=env, timeout=300)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+        proc = subprocess.Popen([sys.executable, "-c", ROUND_TRIP, str(model), str(tmp / "ray")],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd, env=env,
+                                start_new_session=True)
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _kill_group(proc.pid)
+            stdout, stderr = proc.communicate()
+            raise RuntimeError(f"Ray round trip timed out after {timeout} s: {stderr[-2000:]}") from None
+        finally:
+            _kill_group(proc.pid)  # Ray processes the driver's ray.shutdown() left behind
+    lines = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
     if not lines:
-        raise RuntimeError(f"Ray round trip printed no result (exit {proc.returncode}): {proc.stderr[-2000:]}")
+        raise RuntimeError(f"Ray round trip printed no result (exit {proc.returncode}): {stderr[-2000:]}")
     return lines[-1][len("RESULT "):]
+
+
+def _kill_group(pgid):
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass  # the group is already gone

@@ -3,15 +3,12 @@
 Every proof runs vLLM's own ``pack_tensors``, ``packed_nccl_broadcast_producer`` / consumer and
 ``NCCLTrainerWeightTransferEngine._broadcast``. On this CPU machine the communicator's device is
 ``meta`` (``torch.cat([cpu, meta])`` raises like ``torch.cat([cpu, cuda])`` does) or ``cpu`` for a
-real 2-process gloo broadcast. Test scaffolding, not product: ``host_streams`` turns vLLM's CUDA
-streams and events into no-ops (every host op is synchronous), and the communicators stand in for
-PyNcclCommunicator (a ``device`` and a ``broadcast``).
+real 2-process gloo broadcast. The CUDA-stream no-ops and PyNcclCommunicator stand-ins are test
+scaffolding from `mtp_overlay.testing.streams`.
 """
 
-import contextlib
 import json
 import multiprocessing
-import socket
 import subprocess
 import sys
 import types
@@ -25,6 +22,8 @@ from hypothesis import strategies as st
 
 import mtp_overlay
 from mtp_overlay.fixes.device_broadcast import FIX, to_device_stream
+from mtp_overlay.testing.launcher import _free_port
+from mtp_overlay.testing.streams import RecordingCommunicator, host_streams
 from vllm.distributed.weight_transfer import base, nccl_engine, packed_tensor
 
 NAME = "device-normalized-broadcast"
@@ -45,50 +44,6 @@ def overlay():
 
     yield switch
     switch(True)
-
-
-class HostStream:
-    def synchronize(self):
-        pass
-
-    def wait_event(self, event):
-        pass
-
-
-class HostEvent:
-    def record(self, stream=None):
-        pass
-
-
-@contextlib.contextmanager
-def host_streams(module=packed_tensor):
-    """CUDA-stream shims only: vLLM's producer and consumer order their work on CUDA streams and events."""
-    stream = HostStream()
-    replacements = [
-        (module, "_get_streams", lambda device_index, num_buffers: (stream,) * num_buffers),
-        (torch.accelerator, "current_device_index", lambda: 0),
-        (torch.accelerator, "current_stream", lambda device=None: stream),
-        (torch.cuda, "stream", lambda s: contextlib.nullcontext()),
-        (torch.cuda, "current_stream", lambda device=None: stream),
-        (torch, "Event", HostEvent),
-        (torch.Tensor, "record_stream", lambda tensor, s: None),
-    ]
-    with contextlib.ExitStack() as stack:
-        for owner, attribute, value in replacements:
-            stack.enter_context(mock.patch.object(owner, attribute, value))
-        yield
-
-
-class RecordingCommunicator:
-    """PyNcclCommunicator's surface on a device without NCCL: ``device``, and a sender-side broadcast
-    that keeps what it is handed (PyNcclCommunicator would assert it is on ``device``)."""
-
-    def __init__(self, device):
-        self.device = torch.device(device)
-        self.sent = []
-
-    def broadcast(self, tensor, src, stream=None):
-        self.sent.append(tensor)
 
 
 def refit_tensors():
@@ -179,6 +134,9 @@ def test_all_host_chunk_reaches_the_collective_on_the_communicator_device(overla
 
 
 def test_tensors_already_on_the_device_are_not_copied(overlay):
+    overlay(True)
+    assert (packed_tensor, PRODUCER) in FIX.wrapped()  # the hooked producer runs below, not the stock one
+    assert vars(packed_tensor)[PRODUCER].__wrapped__ is not vars(packed_tensor)[PRODUCER]
     stream = refit_tensors()
     pointers = [t.untyped_storage().data_ptr() for _, t in stream]
     with host_streams():
@@ -317,15 +275,12 @@ def gloo_rank(rank, port, writer):
         dist.destroy_process_group()
 
 
-def free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def test_gloo_broadcast_through_real_producer_and_consumer_delivers_the_bytes():
+def test_gloo_broadcast_of_an_all_on_device_stream_delivers_the_same_bytes_stock_and_fixed():
+    """No regression in the byte stream: every tensor is already on the communicator's device, so stock
+    and fixed must both deliver exactly the sent bytes through vLLM's real producer, consumer and engine
+    over a real gloo broadcast. The bug itself is shown by the mixed-device tests above."""
     context = multiprocessing.get_context("spawn")
-    port, processes, readers = free_port(), [], []
+    port, processes, readers = _free_port(), [], []
     for rank in range(2):
         reader, writer = context.Pipe(duplex=False)
         process = context.Process(target=gloo_rank, args=(rank, port, writer), daemon=True)
@@ -404,6 +359,16 @@ def test_to_device_stream_keeps_names_shapes_dtypes_and_bytes(shape, dtype, tran
 def test_to_device_stream_rejects_bad_arguments_at_the_call(named_tensors, device, error, message):
     with pytest.raises(error, match=message):
         to_device_stream(named_tensors, device)
+
+
+def test_cpu_only_torch_assertion_for_cuda_is_a_value_error_naming_the_device():
+    # a torch built without CUDA raises AssertionError from torch.cuda._lazy_init for "cuda"
+    if torch.cuda.is_initialized():
+        pytest.skip("CUDA is initialized in this process: torch no longer calls _lazy_init")
+    error = AssertionError("Torch not compiled with CUDA enabled")
+    with mock.patch.object(torch.cuda, "_lazy_init", side_effect=error):
+        with pytest.raises(ValueError, match="device 'cuda' is not a device .*not compiled with CUDA"):
+            to_device_stream([], "cuda")
 
 
 @pytest.mark.parametrize("pair", [("w",), ("w", [1.0]), torch.zeros(2)])

@@ -486,10 +486,10 @@ import ray, wrapt
 assert isinstance(vars(ray)["init"], wrapt.FunctionWrapper), type(vars(ray)["init"])
 assert "transformers" not in sys.modules  # the probe is static: nothing of transformers imported
 print(FIX.state())
-# what vLLM does: register the package pickle-by-value on Ray's cloudpickle -> nothing left to fix
-from transformers.dynamic_module_utils import create_dynamic_module, init_hf_modules
-init_hf_modules()
-create_dynamic_module("transformers_modules")
+# what vLLM does after a remote-code load: register the package pickle-by-value on Ray's cloudpickle
+# -> nothing left to fix
+from transformers import AutoConfig
+AutoConfig.from_pretrained(write_remote_code_model("model"), trust_remote_code=True)
 import transformers_modules
 ray.cloudpickle.register_pickle_by_value(transformers_modules)
 print(FIX.probe(ray))
