@@ -46,7 +46,7 @@ class Reader:
 try:
     print("RESULT", ray.get(Reader.remote(config).marker.remote(), timeout=120))
 except Exception as exc:
-    print("RESULT", type(exc).__name__, " ".join(str(exc).split())[-400:])
+    print("RESULT", type(exc).__name__ + ":", [line for line in str(exc).splitlines() if line.strip()][-1].strip())
 ray.shutdown()
 """
 
