@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 
-HEAVY = ("torch", "megatron", "vllm", "ray", "transformers", "wrapt", "importlib.metadata", "asyncio")
+from mtp_overlay.testing import HEAVY_IMPORTS as HEAVY
 
 
 def run(code, repeats):

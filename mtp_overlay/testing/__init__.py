@@ -41,9 +41,18 @@ Usage (``fn`` must be a module-level function, its arguments and return value pi
   normalisation); TP2+SP matches TP1 in everything.
 * ``cpu_shims``: the CPU stand-ins (SPEC section 4), installed by ``run_ranks`` on CPU; test
   scaffolding only, ``cpu_shims()`` context manager or ``install()`` / ``uninstall()``.
+* ``releases``: other upstream releases side by side (``release_site``, ``copy_installed``,
+  ``run_with_release``); ``streams``: CUDA-stream and communicator stand-ins for vLLM's producer;
+  ``remote_code``: a tiny trust_remote_code model and its Ray round trip.
 * pytest: the ``mtp_run_ranks`` fixture is ``run_ranks``; ``@pytest.mark.gpu`` tests are skipped
   without CUDA (plugin ``mtp_overlay.testing.plugin``, registered as a pytest11 entry point).
 
 Measured on 2 shared cores: 5-6 s per run at TP1, TP2+SP or CP2 and ~13 s at TP2xCP2+SP when idle
 (10-20 s under load); almost all of it is importing torch and megatron-core in each process.
 """
+
+# modules `import mtp_overlay` must never pull in (checked by tests and scripts/bench_import.py)
+HEAVY_IMPORTS = (
+    "torch", "megatron", "vllm", "ray", "transformers", "wrapt", "importlib.metadata", "asyncio",
+    "packaging", "inspect", "json", "dataclasses",
+)

@@ -19,6 +19,7 @@ import wrapt.importer
 import mtp_overlay
 from mtp_overlay import OverlayError, OverlayWarning, State, hooks, registry
 from mtp_overlay.fix import Fix, Provenance, drifted, needed
+from mtp_overlay.testing import HEAVY_IMPORTS
 
 TARGET_SOURCE = """
 import time
@@ -95,9 +96,9 @@ def wrappers_around(obj):
 
 def test_import_pulls_in_no_upstream_and_no_wrapt():
     code = (
-        "import sys, mtp_overlay; "
-        "heavy = ('torch', 'megatron', 'vllm', 'ray', 'transformers', 'wrapt', 'importlib.metadata'); "
-        "print(sorted(m for m in sys.modules if m.split('.')[0] in heavy or m in heavy))"
+        "import sys; before = set(sys.modules); import mtp_overlay; "
+        f"heavy = {HEAVY_IMPORTS!r}; "
+        "print(sorted(m for m in set(sys.modules) - before if m.split('.')[0] in heavy or m in heavy))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
