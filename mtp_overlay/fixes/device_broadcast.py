@@ -3,7 +3,8 @@
 vLLM's NCCL weight transfer packs each (name, tensor) of the trainer's export stream into one uint8
 buffer with ``torch.cat`` (``packed_tensor.pack_tensors``, called by ``packed_nccl_broadcast_producer``;
 ``packed_broadcast_producer`` in older vLLM) and broadcasts it; the unpacked path of
-``NCCLTrainerWeightTransferEngine._broadcast`` sends tensors one by one. One host tensor in the stream
+``NCCLTrainerWeightTransferEngine._broadcast`` (vLLM 0.25.1: the staticmethod
+``NCCLWeightTransferEngine.trainer_send_weights``) sends tensors one by one. One host tensor in the stream
 (a non-learnable constant that never followed ``.to(device)``: an audio filterbank, image-normalization
 statistics) makes ``torch.cat`` refuse mixed devices, and an all-host chunk fails the communicator's
 device check. Found in NeMo-RL weight refit; no vLLM release normalizes devices.
@@ -24,8 +25,10 @@ NCCL_ENGINE = "vllm.distributed.weight_transfer.nccl_engine"
 PRODUCERS = ("packed_nccl_broadcast_producer", "packed_broadcast_producer")  # vLLM 0.33.0, older vLLM
 PRODUCER_PARAMETERS = ("iterator", "group", "src", "post_iter_func")
 PACK_PARAMETERS = ("iterator", "post_iter_func", "buffer_size_bytes")
-ENGINE = "NCCLTrainerWeightTransferEngine"
-ENGINE_BROADCAST_PARAMETERS = ("self", "source", "meta")
+ONE_BY_ONE_PATHS = (  # (class, method, its parameters): vLLM 0.33.0, vLLM 0.25.1
+    ("NCCLTrainerWeightTransferEngine", "_broadcast", ("self", "source", "meta")),
+    ("NCCLWeightTransferEngine", "trainer_send_weights", ("iterator", "trainer_args")),
+)
 
 
 def canonical_device(device):
@@ -120,6 +123,45 @@ def normalizing_engine_broadcast(wrapped, instance, args, kwargs):
     return wrapped(*call.args, **call.kwargs)
 
 
+def normalizing_trainer_send_weights(wrapped, instance, args, kwargs):
+    """vLLM 0.25.1's ``NCCLWeightTransferEngine.trainer_send_weights`` (the staticmethod holding the
+    one-by-one path) on a copy of ``trainer_args`` whose ``post_iter_func`` (default ``item[1]``, as
+    vLLM's) returns tensors on the communicator's device; the packed path calls the hooked producer."""
+    import dataclasses
+
+    call = _bind(wrapped, args, kwargs)
+    trainer_args = call.arguments["trainer_args"]
+    is_dict = isinstance(trainer_args, dict)
+    if not (is_dict or dataclasses.is_dataclass(trainer_args)):
+        return wrapped(*args, **kwargs)  # vLLM's own error
+    fields = trainer_args if is_dict else vars(trainer_args)
+    device = communicator_device(fields.get("group"))
+    if device is None:
+        return wrapped(*args, **kwargs)
+    post_iter_func = fields.get("post_iter_func") or (lambda item: item[1])
+    normalized = {"post_iter_func": lambda item: on_device(post_iter_func(item), device)}
+    if is_dict:
+        call.arguments["trainer_args"] = {**trainer_args, **normalized}
+    else:
+        call.arguments["trainer_args"] = dataclasses.replace(trainer_args, **normalized)
+    return wrapped(*call.args, **call.kwargs)
+
+
+ONE_BY_ONE_WRAPPERS = {
+    "_broadcast": normalizing_engine_broadcast,
+    "trainer_send_weights": normalizing_trainer_send_weights,
+}
+
+
+def one_by_one_path(module):
+    """``(class, method, expected parameters)`` of the one-by-one path ``module`` defines, or None."""
+    for class_name, method, parameters in ONE_BY_ONE_PATHS:
+        owner = getattr(module, class_name, None)
+        if owner is not None and method in vars(owner):
+            return owner, method, parameters
+    return None
+
+
 def _bind(function, args, kwargs):
     import inspect  # not at import time: `import mtp_overlay` stays cheap (issue #2)
 
@@ -179,13 +221,14 @@ class DeviceNormalizedBroadcastFix(Fix):
 
     def probe(self, module):
         if module.__name__ == NCCL_ENGINE:
-            engine = getattr(module, ENGINE, None)
-            broadcast = vars(engine).get("_broadcast") if engine is not None else None
-            if broadcast is None:
-                return drifted(f"{NCCL_ENGINE} has no {ENGINE}._broadcast (the one-by-one path)")
-            found = _parameters(broadcast)
-            if found != ENGINE_BROADCAST_PARAMETERS:
-                return drifted(f"{ENGINE}._broadcast{found} is no longer {ENGINE_BROADCAST_PARAMETERS}")
+            path = one_by_one_path(module)
+            if path is None:
+                paths = " nor ".join(f"{owner}.{method}" for owner, method, _ in ONE_BY_ONE_PATHS)
+                return drifted(f"{NCCL_ENGINE} has neither {paths} (the one-by-one path)")
+            owner, method, expected = path
+            found = _parameters(getattr(owner, method))
+            if found != expected:
+                return drifted(f"{owner.__name__}.{method}{found} is no longer {expected}")
         elif not any(name in vars(module) for name in PRODUCERS):
             return drifted(f"{module.__name__} has neither {' nor '.join(PRODUCERS)}")
         why = _producer_drift(module)
@@ -207,8 +250,10 @@ class DeviceNormalizedBroadcastFix(Fix):
             if name in vars(module):
                 self._unbind_other_wrapper(module, name)
                 yield module, name, normalizing_producer
-        if module.__name__ == NCCL_ENGINE:
-            yield getattr(module, ENGINE), "_broadcast", normalizing_engine_broadcast
+        path = one_by_one_path(module) if module.__name__ == NCCL_ENGINE else None
+        if path is not None:
+            owner, method, _ = path
+            yield owner, method, ONE_BY_ONE_WRAPPERS[method]
 
     def _unbind_other_wrapper(self, module, name):
         """A ``from packed_tensor import ...`` run after packed_tensor was hooked bound our wrapper:

@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 import mtp_overlay
 from mtp_overlay.fixes.device_broadcast import FIX, to_device_stream
 from mtp_overlay.testing.launcher import _free_port
+from mtp_overlay.testing.releases import release_site, run_with_release
 from mtp_overlay.testing.streams import RecordingCommunicator, host_streams
 from vllm.distributed.weight_transfer import base, nccl_engine, packed_tensor
 
@@ -421,7 +422,10 @@ DRIFTS = {
         packed_tensor, "def pack_tensors(\n    iterator", "def pack_tensors(\n    stream", "pack_tensors('stream'"
     ),
     "engine method renamed": (
-        nccl_engine, "def _broadcast(self, source", "def _send(self, source", f"has no {ENGINE.__name__}._broadcast"
+        nccl_engine,
+        "def _broadcast(self, source",
+        "def _send(self, source",
+        f"has neither {ENGINE.__name__}._broadcast nor NCCLWeightTransferEngine.trainer_send_weights",
     ),
     "engine method argument added": (
         nccl_engine, ENGINE_META, ENGINE_META.replace("meta: list[ParamMeta])", "meta, stream=None)"), "'stream'"
@@ -518,6 +522,95 @@ def test_every_binding_is_wrapped_once_and_restored_whatever_the_import_order(or
     row = json.loads(result.stdout.strip().splitlines()[-1])
     expected = {"state": "installed", "late": order == "vllm-first", "same_producer": True}
     assert row == {**expected, "wrapped": [True] * 3, "restored": [True] * 3, "plain": [True] * 3}
+
+
+# --- vLLM 0.25.1: the one-by-one path is the staticmethod NCCLWeightTransferEngine.trainer_send_weights ---
+
+
+SEND_WEIGHTS_0_25 = """
+import json, subprocess, sys, types, warnings
+warnings.simplefilter("ignore")
+import torch
+import mtp_overlay
+from vllm.distributed.weight_transfer import nccl_engine
+from mtp_overlay.fixes.device_broadcast import FIX
+from mtp_overlay.testing.streams import HostStream, RecordingCommunicator
+
+NAME = "device-normalized-broadcast"
+engine, args_class = nccl_engine.NCCLWeightTransferEngine, nccl_engine.NCCLTrainerSendWeightsArgs
+meta = torch.device("meta")
+stream = [("embed.weight", torch.randn(4, 3, device=meta)), ("audio.filterbank", torch.rand(5, 2)),
+          ("step", torch.tensor(7)), ("head.weight", torch.randn(3, 2, dtype=torch.bfloat16, device=meta))]
+
+def send(trainer_args):
+    engine.trainer_send_weights(iter(stream), trainer_args)
+    return trainer_args["group"] if isinstance(trainer_args, dict) else trainer_args.group
+
+def summary(sent):
+    return [(str(t.device), list(t.shape), str(t.dtype)) for t in sent]
+
+row = mtp_overlay.status(only=[NAME])[0]
+verdict = FIX.probe(nccl_engine)
+original = vars(engine)["trainer_send_weights"].__wrapped__
+hooked = {"staticmethod": isinstance(vars(engine)["trainer_send_weights"], staticmethod),
+          "original_is_staticmethod": type(original) is staticmethod}
+
+mtp_overlay.uninstall(only=[NAME])
+hooked["restored"] = vars(engine)["trainer_send_weights"] is original
+stock = summary(send({"group": RecordingCommunicator(meta), "packed": False, "stream": HostStream()}).sent)
+
+mtp_overlay.install(only=[NAME])
+as_dict = {"group": RecordingCommunicator(meta), "packed": False, "stream": HostStream()}
+dict_sent = send(dict(as_dict)).sent
+caller_dict = {"group": RecordingCommunicator(meta), "packed": False, "stream": HostStream()}
+send(caller_dict)
+called = []
+as_dataclass = args_class(group=RecordingCommunicator(meta), stream=HostStream(),
+                          post_iter_func=lambda item: called.append(item[0]) or item[1])
+dataclass_sent = send(as_dataclass).sent
+own_post_iter_func = called == [name for name, _ in stream]
+check = subprocess.run([sys.executable, "-c", "import sys; from mtp_overlay.cli import main; "
+                        "sys.exit(main(['check', '--only', NAME]))".replace("NAME", repr(NAME))],
+                       capture_output=True, text=True)
+print(json.dumps({
+    "version": row.version, "state": row.state, "verdict": verdict.state, "hooked": hooked,
+    "inputs": summary(t for _, t in stream), "stock": stock,
+    "fixed_dict": summary(dict_sent), "fixed_dataclass": summary(dataclass_sent), "own": own_post_iter_func,
+    "untouched": [a is b for (_, a), b in zip(stream, dict_sent)],
+    "caller_args_kept": [sorted(caller_dict) == ["group", "packed", "stream"],
+                         as_dataclass.post_iter_func((None, torch.ones(1))).device.type == "cpu"],
+    "check_rc": check.returncode, "check_out": check.stdout + check.stderr[-2000:],
+}))
+"""
+
+
+@pytest.fixture(scope="module")
+def vllm_0_25_1():
+    result = run_with_release(release_site("vllm", "0.25.1"), SEND_WEIGHTS_0_25, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_vllm_0_25_1_one_by_one_path_sends_a_host_tensor_and_the_fix_cures_it(vllm_0_25_1):
+    """Real 0.25.1 ``trainer_send_weights(packed=False)``: stock hands the communicator a host tensor
+    (PyNcclCommunicator refuses it); fixed, every tensor it is handed is on its device, same shape and
+    dtype, and those already there are the very same objects. Dict and dataclass ``trainer_args``
+    alike (the dataclass's own ``post_iter_func`` kept), the caller's object unchanged."""
+    row = vllm_0_25_1
+    on_meta = [["meta", shape, dtype] for _, shape, dtype in row["inputs"]]
+    assert row["stock"] == row["inputs"] and any(device != "meta" for device, _, _ in row["stock"])
+    assert row["fixed_dict"] == on_meta
+    assert row["fixed_dataclass"] == on_meta and row["own"]
+    assert row["untouched"] == [device == "meta" for device, _, _ in row["inputs"]]
+    assert row["caller_args_kept"] == [True, True]
+
+
+def test_vllm_0_25_1_probe_needs_the_fix_and_its_staticmethod_is_restored_by_identity(vllm_0_25_1):
+    row = vllm_0_25_1
+    assert (row["version"], row["state"], row["verdict"]) == ("0.25.1", "installed", "needed")
+    assert row["hooked"] == {"staticmethod": True, "original_is_staticmethod": True, "restored": True}
+    assert row["check_rc"] == 0, row["check_out"]
+    assert "device-normalized-broadcast" in row["check_out"] and "needed" in row["check_out"]
 
 
 # --- a real CUDA device ------------------------------------------------------------------------
