@@ -69,6 +69,17 @@ def test_hook_equals_upstream_fix_under_detached_heads(tmp_path, monkeypatch):
     patched = run_ranks_checked(train, 2, tp=2, kwargs=options, fixes=[])
     assert patched == hooked
     assert hooked[0].group_grad_norms["mtp"] > 0
+    # the hook on an upstream that has the fix stands down: the same step, not a double scatter
+    both = run_ranks_checked(train_with_status, 2, tp=2, kwargs=options, fixes=[FIX])
+    assert [step for step, _ in both] == patched
+    assert all(state == "redundant" for _, state in both)
+
+
+def train_with_status(**model_kwargs):
+    import mtp_overlay
+
+    step = train(**model_kwargs)
+    return step, mtp_overlay.status(only=[FIX])[0].state
 
 
 def mtp_embeddings(decoder_input_index):
