@@ -36,7 +36,7 @@ def interleaved_steps(repeats):
     return {side: statistics.median(values) for side, values in times.items()}
 
 
-def main(repeats=40):
+def main(repeats=150):
     for label, world, tp in (("TP1", 1, 1), ("TP2+SP", 2, 2)):
         medians = run_ranks_checked(interleaved_steps, world, tp=tp, args=(repeats,), fixes=None)[0]
         print(f"{label:7s} tiny GPT+MTP fwd+bwd: stock {medians['stock'] * 1e3:.2f} ms, "
