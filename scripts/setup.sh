@@ -25,5 +25,8 @@ echo "setup.sh: building $venv with $python (a few minutes the first time)" >&2
 "$venv/bin/python" -m pip install -q -c scripts/constraints.txt torch
 "$venv/bin/python" -m pip install -q -c scripts/constraints.txt \
   megatron-core vllm transformers ray wrapt packaging pytest hypothesis
-"$venv/bin/python" -m pip install -q --no-deps --config-settings editable_mode=compat -e .
+# compat mode: a plain path entry, no import-time finder (cheaper interpreter start-up); its build
+# prints setuptools deprecation banners, kept in a log unless the install fails
+"$venv/bin/python" -m pip install -q --no-deps --config-settings editable_mode=compat -e . >"$venv/.editable.log" 2>&1 \
+  || { cat "$venv/.editable.log" >&2; exit 1; }
 echo "$stamp_want" > "$venv/.mtp-overlay-stamp"
