@@ -169,7 +169,12 @@ class Fix:
                 self._report(f"hook on {module.__name__} raised {type(exc).__name__}: {exc}", exc)
 
     def install(self, module):
-        """Put this fix's wrappers on ``module``; a second call never stacks them."""
+        """Put this fix's wrappers on ``module``; a second call never stacks them.
+
+        An alias bound to one of our own wrappers (``from target import f`` run after ``target`` was
+        hooked) gets the original back first, then its own wrapper: never a wrapper around ours, and
+        uninstall leaves no wrapper behind in the alias.
+        """
         import wrapt
 
         for owner, attribute, wrapper in self.wrappers(module):
@@ -177,6 +182,11 @@ class Fix:
             if key in self._originals:
                 continue
             original = vars(owner)[attribute]
+            for known, ours in self._originals.values():
+                if original is ours:
+                    original = known
+                    setattr(owner, attribute, original)
+                    break
             self._originals[key] = (original, wrapt.wrap_function_wrapper(owner, attribute, wrapper))
 
     def uninstall_wrappers(self):

@@ -248,22 +248,11 @@ class DeviceNormalizedBroadcastFix(Fix):
     def wrappers(self, module):
         for name in PRODUCERS:
             if name in vars(module):
-                self._unbind_other_wrapper(module, name)
                 yield module, name, normalizing_producer
         path = one_by_one_path(module) if module.__name__ == NCCL_ENGINE else None
         if path is not None:
             owner, method, _ = path
             yield owner, method, ONE_BY_ONE_WRAPPERS[method]
-
-    def _unbind_other_wrapper(self, module, name):
-        """A ``from packed_tensor import ...`` run after packed_tensor was hooked bound our wrapper:
-        give that alias the original back, so it gets its own wrapper, restored on uninstall."""
-        if (module, name) in self._originals:
-            return
-        bound = vars(module)[name]
-        for (_, attribute), (original, ours) in self._originals.items():
-            if attribute == name and bound is ours:
-                setattr(module, name, original)
 
 
 FIX = DeviceNormalizedBroadcastFix()
