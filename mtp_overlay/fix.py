@@ -126,7 +126,7 @@ class Fix:
 
     def __init__(self):
         self._lock = RLock()
-        self._originals = {}  # (owner, attribute) -> object found in owner.__dict__
+        self._originals = {}  # (owner, attribute) -> (object found in owner.__dict__, our wrapper)
         self._target_states = {}  # module name -> (state, reason)
         self.disabled_reason = None
         self.late = False
@@ -152,6 +152,7 @@ class Fix:
     def on_import(self, module):
         """Post-import hook body: never breaks the upstream import unless strict."""
         with self._lock:
+            before = set(self._originals)
             try:
                 verdict = self.probe(module)
                 if verdict.state == Verdict.NEEDED:
@@ -164,7 +165,7 @@ class Fix:
             except OverlayError:
                 raise
             except Exception as exc:
-                self.uninstall_wrappers()
+                self.uninstall_wrappers(set(self._originals) - before)  # this target's, not the others'
                 self._set(module.__name__, State.FAILED, f"{type(exc).__name__}: {exc}")
                 self._report(f"hook on {module.__name__} raised {type(exc).__name__}: {exc}", exc)
 
@@ -189,11 +190,13 @@ class Fix:
                     break
             self._originals[key] = (original, wrapt.wrap_function_wrapper(owner, attribute, wrapper))
 
-    def uninstall_wrappers(self):
-        """Put back every original object, by identity, unless someone wrapped ours since (then
-        ours stays inside theirs: removing it would drop their wrapper too; warned)."""
+    def uninstall_wrappers(self, keys=None):
+        """Put back the original objects (all, or those of ``keys``), by identity, unless someone
+        wrapped ours since (then ours stays inside theirs: removing it would drop theirs; warned)."""
         with self._lock:
-            for (owner, attribute), (original, ours) in self._originals.items():
+            for key in list(self._originals if keys is None else keys):
+                owner, attribute = key
+                original, ours = self._originals.pop(key)
                 if vars(owner).get(attribute) is ours:
                     setattr(owner, attribute, original)
                 else:
@@ -201,7 +204,6 @@ class Fix:
                     warnings.warn(OverlayWarning(
                         f"mtp-overlay fix {self.name!r}: {where} was wrapped again after the overlay; "
                         "left in place (uninstall the outer wrapper first)"), stacklevel=3)
-            self._originals.clear()
 
     def uninstall(self):
         self.uninstall_wrappers()

@@ -309,3 +309,23 @@ def test_warning_category_can_be_escalated(target, register):
         warnings.simplefilter("error", OverlayWarning)
         with pytest.raises(OverlayWarning):
             importlib.import_module(fix.targets[0])
+
+
+def test_a_failing_target_takes_off_only_its_own_wrappers(target, register):
+    good, bad = target(), target()
+
+    class TwoTargets(DoublingFix):
+        def probe(self, module):
+            if module.__name__ == bad:
+                raise RuntimeError("second target exploded")
+            return needed()
+
+    fix = register(TwoTargets(good))
+    fix.targets = (good, bad)
+    registry.install(only=[fix.name])
+    first = importlib.import_module(good)
+    with pytest.warns(OverlayWarning, match="second target exploded"):
+        second = importlib.import_module(bad)
+    assert first.Target().compute(1) == 4  # still fixed
+    assert second.Target().compute(1) == 2
+    assert registry.status(only=[fix.name])[0].state == State.FAILED
