@@ -8,7 +8,16 @@ import os
 import warnings
 
 from . import hooks
-from .fix import FixStatus, OverlayError, OverlayWarning, State, Verdict, distribution_version, strict_from_env
+from .fix import (
+    FixStatus,
+    OverlayError,
+    OverlayWarning,
+    State,
+    Verdict,
+    distribution_version,
+    drifted,
+    strict_from_env,
+)
 from .fixes import device_broadcast, loss_mask, modules_cache, sp_scatter
 
 FIXES = [sp_scatter.FIX, loss_mask.FIX, modules_cache.FIX, device_broadcast.FIX]
@@ -104,8 +113,6 @@ def check(only=None):
     """
     import importlib
 
-    from .fix import drifted
-
     rows = []
     for fix in _select(only):
         version = distribution_version(fix.distribution)
@@ -116,14 +123,12 @@ def check(only=None):
         for target in fix.targets:
             try:
                 module = importlib.import_module(target)
-            except ModuleNotFoundError as exc:
-                if exc.name and (target == exc.name or target.startswith(exc.name + ".")):
-                    missing.append(target)
-                    continue
-                verdicts.append((target, Verdict(State.FAILED, f"import failed: {exc}")))
-                continue
             except Exception as exc:
-                verdicts.append((target, Verdict(State.FAILED, f"import failed: {type(exc).__name__}: {exc}")))
+                gone = isinstance(exc, ModuleNotFoundError) and exc.name is not None
+                if gone and (target == exc.name or target.startswith(exc.name + ".")):
+                    missing.append(target)
+                else:
+                    verdicts.append((target, Verdict(State.FAILED, f"import failed: {type(exc).__name__}: {exc}")))
                 continue
             try:
                 verdicts.append((target, fix.probe(module)))
