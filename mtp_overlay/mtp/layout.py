@@ -10,7 +10,7 @@ import contextlib
 import contextvars
 
 from .mask import _shape, unwrap_model
-from .packing import _check_cp, _check_cu_seqlens, cp_shard
+from .packing import _check_cp, _check_cu_seqlens, cp_local_indices, cp_shard
 
 _SCOPED_LOSS_MASK = contextvars.ContextVar("mtp_overlay_scoped_loss_mask", default=None)
 
@@ -120,16 +120,13 @@ def padding_slots(local_length, packed_seq_params, cp_size=1, cp_rank=0, device=
         raise ValueError(
             f"packed_seq_params: padded sequence lengths {padded.tolist()[:16]} are not multiples of 2*cp_size={2 * cp_size}"
         )
-    position = torch.arange(local_length, device=real_cu.device)
-    if real.numel() == 0:
-        return torch.ones(local_length, dtype=torch.bool, device=real_cu.device)
-    local_cu = padded_cu // cp_size
-    sequence = (torch.searchsorted(local_cu, position, right=True) - 1).clamp(max=real.numel() - 1)
-    offset = position - local_cu[sequence]
-    if cp_size > 1:  # local slot -> offset in the whole padded sequence (2*cp-chunk layout)
-        size = padded[sequence] // (2 * cp_size)
-        offset = torch.where(offset < size, cp_rank * size + offset, (2 * cp_size - 2 - cp_rank) * size + offset)
-    return (position >= local_cu[-1]) | (offset >= real[sequence])
+    # padding over the whole packed row, then this rank's slots of it (the 2*cp-chunk layout)
+    position = torch.arange(int(padded_cu[-1]), device=real_cu.device)
+    sequence = torch.searchsorted(padded_cu, position, right=True) - 1
+    padding = position - padded_cu[sequence] >= real[sequence]
+    local = padding[cp_local_indices(padded_cu, cp_size, cp_rank)][:local_length]
+    tail = torch.ones(local_length - local.numel(), dtype=torch.bool, device=local.device)  # past the last sequence
+    return torch.cat([local, tail])
 
 
 def _check_tensor(value, name, expected="a torch.Tensor"):
