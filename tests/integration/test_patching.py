@@ -137,6 +137,17 @@ def test_fix_patches_come_from_the_manifest():
     assert registry.get("mtp-loss-mask").patches == ()
 
 
+def test_manifest_marker_is_the_runtime_probes_redundancy_signal():
+    """The patch engine (reading files) and the runtime probe (reading code objects) must look for
+    the same call in the same function, or `patch check` and `mtp-overlay check` could disagree."""
+    from mtp_overlay.fixes import sp_scatter
+
+    marker = load(DEFAULT_PATH).fixes["mtp-sp-scatter"].marker
+    assert marker.file == sp_scatter.TARGET.replace(".", "/") + ".py"
+    assert marker.function == "MultiTokenPredictionLayer._get_embeddings"
+    assert marker.calls == sp_scatter.SCATTER
+
+
 @pytest.mark.parametrize(
     ("edit", "message"),
     [
