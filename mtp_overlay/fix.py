@@ -157,17 +157,17 @@ class Fix:
                 verdict = self.probe(module)
                 if verdict.state == Verdict.NEEDED:
                     self.install(module)
-                    self._set(module.__name__, State.INSTALLED, verdict.reason)
+                    self.record(module.__name__, State.INSTALLED, verdict.reason)
                 else:
-                    self._set(module.__name__, verdict.state, verdict.reason)
+                    self.record(module.__name__, verdict.state, verdict.reason)
                     if verdict.state == Verdict.DRIFTED:
-                        self._report(f"{module.__name__}: {verdict.reason}")
+                        self.report(f"{module.__name__}: {verdict.reason}")
             except OverlayError:
                 raise
             except Exception as exc:
                 self.uninstall_wrappers(set(self._originals) - before)  # this target's, not the others'
-                self._set(module.__name__, State.FAILED, f"{type(exc).__name__}: {exc}")
-                self._report(f"hook on {module.__name__} raised {type(exc).__name__}: {exc}", exc)
+                self.record(module.__name__, State.FAILED, f"{type(exc).__name__}: {exc}")
+                self.report(f"hook on {module.__name__} raised {type(exc).__name__}: {exc}", exc)
 
     def install(self, module):
         """Put this fix's wrappers on ``module``; a second call never stacks them.
@@ -229,10 +229,13 @@ class Fix:
                 return state, "; ".join(reasons)
         return State.PENDING, "waiting for import of " + ", ".join(self.targets)
 
-    def _set(self, module_name, state, reason):
+    # --- for fixes whose work goes beyond wrappers (e.g. hf-modules-cache's import path) -------
+    def record(self, module_name, state, reason):
+        """Set the state of target ``module_name`` (what `status()` reports)."""
         self._target_states[module_name] = (state, reason)
 
-    def _report(self, message, cause=None):
+    def report(self, message, cause=None):
+        """Say the fix did not apply: OverlayWarning, or OverlayError in strict mode."""
         text = f"mtp-overlay fix {self.name!r} not applied: {message}"
         if self.strict:
             raise OverlayError(text) from cause

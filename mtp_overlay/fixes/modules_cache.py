@@ -247,8 +247,8 @@ class ModulesCacheFix(Fix):
         with self._lock:
             reason = unsafe_reason(folder)
             if reason is not None:
-                self._set(TARGET, State.FAILED, f"refused {folder}: {reason}")
-                self._report(f"refused to put {folder} on the import path: {reason}")
+                self.record(TARGET, State.FAILED, f"refused {folder}: {reason}")
+                self.report(f"refused to put {folder} on the import path: {reason}")
                 return False
             _ensure_directory(folder)
             if not _on_path(folder, sys.path):
@@ -256,7 +256,7 @@ class ModulesCacheFix(Fix):
             pythonpath = os.environ.get("PYTHONPATH", "")
             if not _on_path(folder, pythonpath.split(os.pathsep)):
                 os.environ["PYTHONPATH"] = pythonpath + os.pathsep + folder if pythonpath else folder
-            self._set(TARGET, State.INSTALLED, f"{folder} on the import path of this process and its Ray workers")
+            self.record(TARGET, State.INSTALLED, f"{folder} on the import path of this process and its Ray workers")
             return True
 
 
