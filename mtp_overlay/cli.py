@@ -10,42 +10,41 @@ import sys
 from . import registry, startup
 from .patching import command as patch_command
 
-
 STATUS_COLUMNS = ["name", "distribution", "version", "state", "patched", "reason"]
+CHECK_COLUMNS = ["name", "distribution", "version", "verdict", "reason"]
 
 
-def print_table(rows, columns, out=print):
+def print_table(rows, columns):
     widths = [max(len(str(row.get(c, ""))) for row in rows + [{c: c for c in columns}]) for c in columns]
-    out("  ".join(c.upper().ljust(w) for c, w in zip(columns, widths)).rstrip())
+    print("  ".join(c.upper().ljust(w) for c, w in zip(columns, widths)).rstrip())
     for row in rows:
-        out("  ".join(str(row.get(c, "")).ljust(w) for c, w in zip(columns, widths)).rstrip())
+        print("  ".join(str(row.get(c, "")).ljust(w) for c, w in zip(columns, widths)).rstrip())
 
 
-def print_status(statuses, out=print):
-    print_table([row.as_dict() for row in statuses], STATUS_COLUMNS, out)
+def _rows(rows, args, columns):
+    if args.json:
+        print(json.dumps([row.as_dict() for row in rows], indent=2))
+    else:
+        print_table([row.as_dict() for row in rows], columns)
 
 
 def _status(args):
-    if args.json:
-        print(json.dumps([row.as_dict() for row in registry.status()], indent=2))
-    else:
-        print_status(registry.status())
+    _rows(registry.status(), args, STATUS_COLUMNS)
     return 0
 
 
 def _check(args):
+    from .contract import State
+
     registry.uninstall(args.only)  # probe the stock code: no hook fires (or raises) while targets import
     rows = registry.check(args.only)
-    if args.json:
-        print(json.dumps([row.as_dict() for row in rows], indent=2))
-    else:
-        print_table([row.as_dict() for row in rows], ["name", "distribution", "version", "state", "reason"])
-    failing = {"drifted", "failed"} | ({"redundant"} if args.fail_on_redundant else set())
-    return 1 if any(row.state in failing for row in rows) else 0
+    _rows(rows, args, CHECK_COLUMNS)
+    failing = set(State.FAILING) | ({State.REDUNDANT} if args.fail_on_redundant else set())
+    return 1 if any(row.verdict in failing for row in rows) else 0
 
 
 def _demo(args):
-    from . import demo
+    from .testing import demo  # the test bed, reached only from this command
 
     return demo.main()
 

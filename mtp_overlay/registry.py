@@ -1,38 +1,66 @@
-"""The list of fixes, and install / uninstall / status over it.
+"""The list of fixes, and install / uninstall / status / check over it.
 
-The registry knows fixes only through the Fix contract; the hooks module is the only way in to the
-import machinery.
+``FIXES`` is all that ``import mtp_overlay`` reads: each fix id with the upstream modules whose
+import installs it. A fix's code (``mtp_overlay/fixes/<fix id>/``) and the lifecycle machinery load
+only when one of its targets is imported, or when `status()` / `check()` ask about it.
 """
 
 import os
-import warnings
 
 from . import hooks
-from .fix import (
-    FixStatus,
-    OverlayError,
-    OverlayWarning,
-    State,
-    Verdict,
-    distribution_version,
-    drifted,
-    strict_from_env,
-)
-from .fixes import device_broadcast, loss_mask, modules_cache, sp_scatter
 
-FIXES = [sp_scatter.FIX, loss_mask.FIX, modules_cache.FIX, device_broadcast.FIX]
+FIXES = [
+    ("mtp-sp-scatter", ("megatron.core.transformer.multi_token_prediction",)),
+    ("mtp-loss-mask", ("megatron.core.models.gpt.gpt_model", "megatron.core.models.hybrid.hybrid_model")),
+    ("hf-modules-cache", ("ray",)),
+    (
+        "device-normalized-broadcast",
+        ("vllm.distributed.weight_transfer.packed_tensor", "vllm.distributed.weight_transfer.nccl_engine"),
+    ),
+]
+
+_lifecycles = {}  # fix id -> Lifecycle, made on first use
+_strict = {}  # fix id -> strict, for a fix installed before its Lifecycle exists
+_callbacks = {}  # fix id -> its post-import callback (one object per fix, so it can be cancelled)
+
+
+def names():
+    """The fix ids, in registry order."""
+    return [name for name, _ in FIXES]
+
+
+def lifecycle(name):
+    """The Lifecycle of fix ``name`` in this process; ValueError listing the known ids otherwise."""
+    found = _lifecycles.get(name)
+    if found is None:
+        targets = dict(FIXES).get(name)
+        if targets is None:
+            raise ValueError(f"unknown fix {name!r}: expected one of {', '.join(names())}")
+        from .lifecycle import Lifecycle
+
+        found = _lifecycles.setdefault(name, Lifecycle(name, targets))
+        found.strict = _strict.pop(name, False)
+    return found
 
 
 def get(name):
-    """The fix called ``name``; ValueError listing the known names otherwise."""
-    for fix in FIXES:
-        if fix.name == name:
-            return fix
-    raise ValueError(f"unknown fix {name!r}: expected one of {', '.join(fix.name for fix in FIXES)}")
+    """The Fix declaration of fix ``name`` (its module is imported)."""
+    return lifecycle(name).fix
 
 
-def _select(names):
-    return FIXES if names is None else [get(name) for name in ([names] if isinstance(names, str) else names)]
+def _select(names_or_name):
+    if names_or_name is None:
+        return names()
+    selected = [names_or_name] if isinstance(names_or_name, str) else list(names_or_name)
+    known = names()
+    for name in selected:
+        if name not in known:
+            raise ValueError(f"unknown fix {name!r}: expected one of {', '.join(known)}")
+    return selected
+
+
+def strict_from_env():
+    return os.environ.get("MTP_OVERLAY_STRICT", "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def disabled_from_env(strict=False):
@@ -42,10 +70,14 @@ def disabled_from_env(strict=False):
     hook), so it warns and is ignored; strict mode raises.
     """
     raw = {part.strip() for part in os.environ.get("MTP_OVERLAY_DISABLE", "").split(",") if part.strip()}
-    known = {fix.name for fix in FIXES}
+    known = set(names())
     if "all" in raw:
         return known
     for name in sorted(raw - known):
+        import warnings
+
+        from .contract import OverlayError, OverlayWarning
+
         message = f"MTP_OVERLAY_DISABLE names unknown fix {name!r}: expected 'all' or any of {', '.join(sorted(known))}"
         if strict:
             raise OverlayError(message)
@@ -53,74 +85,96 @@ def disabled_from_env(strict=False):
     return raw & known
 
 
+def _callback(name):
+    found = _callbacks.get(name)
+    if found is None:
+
+        def on_import(module):
+            lifecycle(name).on_import(module)
+
+        found = _callbacks.setdefault(name, on_import)
+    return found
+
+
 def install(only=None, skip=(), strict=None):
     """Install the selected fixes: each waits for its target modules (at once if already imported).
 
-    ``only``/``skip``: fix names. ``strict`` (default ``MTP_OVERLAY_STRICT``): drift and hook failures
+    ``only``/``skip``: fix ids. ``strict`` (default ``MTP_OVERLAY_STRICT``): drift and hook failures
     raise OverlayError instead of warning.
     """
     strict = strict_from_env() if strict is None else bool(strict)
-    skipped = {get(name).name for name in ([skip] if isinstance(skip, str) else skip)}
+    skipped = set(_select(skip or ()))
     env_disabled = disabled_from_env(strict)
-    for fix in _select(only):
-        if fix.name in env_disabled or fix.name in skipped:
-            why = "MTP_OVERLAY_DISABLE" if fix.name in env_disabled else "install(skip=...)"
-            _remove(fix, f"disabled by {why}")
+    for name in _select(only):
+        if name in env_disabled or name in skipped:
+            _remove(name, "disabled by " + ("MTP_OVERLAY_DISABLE" if name in env_disabled else "install(skip=...)"))
             continue
-        fix.disabled_reason = None
-        fix.strict = strict
-        for target in fix.targets:
-            if fix.handled(target):  # probed and installed (or stood down) already: nothing to redo
+        known = _lifecycles.get(name)
+        if known is None:
+            _strict[name] = strict
+        else:
+            known.disabled_reason, known.strict = None, strict
+        for target in dict(FIXES)[name]:
+            if known is not None and known.handled(target):  # probed (and installed) already
                 continue
-            if hooks.when_imported(target, fix.on_import):
-                fix.late = True
+            if hooks.when_imported(target, _callback(name)):
+                lifecycle(name).late = True
 
 
 def uninstall(only=None):
     """Remove the selected fixes: cancel waiting hooks, restore every original object."""
-    for fix in _select(only):
-        _remove(fix, "uninstalled")
+    for name in _select(only):
+        _remove(name, "uninstalled")
 
 
-def _remove(fix, reason):
-    for target in fix.targets:
-        hooks.cancel(target, fix.on_import)
-    fix.uninstall()
-    fix.disabled_reason = reason
+def _remove(name, reason):
+    for target in dict(FIXES)[name]:
+        hooks.cancel(target, _callback(name))
+    lifecycle(name).disable(reason)
 
 
 def status(only=None):
-    """One FixStatus per fix: state in State, upstream distribution and version, reason, late, and
-    ``patched``: whether the fix's source patch is on disk (None when no variant fits the install)."""
-    from .patching.engine import patched_on_disk
+    """One FixStatus per fix: its state in this process (`State.RUNTIME`), upstream distribution and
+    version, reason, late, and ``patched``: its source patch on disk (None: no variant fits)."""
+    from .contract import FixStatus, State, distribution_version
+    from .patching.survey import patched_on_disk
 
     rows = []
-    for fix in _select(only):
-        state, reason = fix.state()
+    for name in _select(only):
+        found = lifecycle(name)
+        fix = found.fix
+        state, reason = found.state()
         version = distribution_version(fix.distribution)
         if version is None and state == State.PENDING:
             state, reason = State.ABSENT, f"{fix.distribution} is not installed"
         patched = patched_on_disk(fix) if version is not None else None
-        rows.append(FixStatus(fix, version, state, reason, fix.late, patched))
+        rows.append(FixStatus(fix, version, state, reason, found.late, patched))
     return rows
 
 
 def check(only=None):
     """Probe every fix against the installed upstream code (imports its targets): the CI question.
 
-    One FixStatus per fix, state in needed / redundant / drifted / failed / absent. A target module
-    missing from the installed release is skipped; all of them missing is drift.
+    One FixStatus per fix with its ``verdict`` (`State.VERDICTS`): needed / redundant / drifted /
+    failed, ``absent`` without the distribution, ``unsupported`` when a target does not import on
+    this stack. A target module missing from the installed release is skipped; all missing is drift.
     """
     import importlib
 
+    from .contract import FixStatus, State, Verdict, distribution_version, drifted
+    from .lifecycle import judge
+
     rows = []
-    for fix in _select(only):
+    for name in _select(only):
+        found = lifecycle(name)
+        fix = found.fix
+        state = found.state()[0]
         version = distribution_version(fix.distribution)
         if version is None:
-            rows.append(FixStatus(fix, None, State.ABSENT, f"{fix.distribution} is not installed", False))
+            rows.append(FixStatus(fix, None, state, f"{fix.distribution} is not installed", verdict=State.ABSENT))
             continue
         verdicts, missing = [], []
-        for target in fix.targets:
+        for target in found.targets:
             try:
                 module = importlib.import_module(target)
             except Exception as exc:
@@ -128,15 +182,12 @@ def check(only=None):
                 if gone and (target == exc.name or target.startswith(exc.name + ".")):
                     missing.append(target)
                 else:
-                    verdicts.append((target, Verdict(State.FAILED, f"import failed: {type(exc).__name__}: {exc}")))
+                    verdicts.append((target, Verdict(State.UNSUPPORTED, f"import failed: {type(exc).__name__}: {exc}")))
                 continue
-            try:
-                verdicts.append((target, fix.probe(module)))
-            except Exception as exc:
-                verdicts.append((target, Verdict(State.FAILED, f"probe raised {type(exc).__name__}: {exc}")))
+            verdicts.append((target, judge(fix, module)))
         if not verdicts:
             verdicts.append((", ".join(missing), drifted("no target module exists in this release")))
-        state = next(s for s in Verdict.PRIORITY if any(v.state == s for _, v in verdicts))
-        reason = "; ".join(f"{t}: {v.reason}" if v.reason else t for t, v in verdicts if v.state == state)
-        rows.append(FixStatus(fix, version, state, reason, False))
+        verdict = next(s for s in State.VERDICT_PRIORITY if any(v.state == s for _, v in verdicts))
+        reason = "; ".join(f"{t}: {v.reason}" if v.reason else t for t, v in verdicts if v.state == verdict)
+        rows.append(FixStatus(fix, version, state, reason, verdict=verdict))
     return rows

@@ -2,24 +2,19 @@
 overlay before any user code, Ray workers, spawned engine processes and torchrun ranks included.
 
 At start-up `site` executes each line of a site-packages ``.pth`` file that begins with ``import``.
-Ours imports ``mtp_overlay`` inside a try/except, so a broken overlay costs one line on stderr, never
-the interpreter. The text lives here because ``hooks/`` is not part of the installed package;
-``hooks/mtp_overlay_startup.pth`` is the same file for images that copy it in by hand.
+Ours imports ``mtp_overlay`` inside a guard, so a broken overlay costs one line on stderr, never the
+interpreter. Its text is one file: ``hooks/mtp_overlay_startup.pth`` in the source tree, shipped as
+package data (``mtp_overlay/startup.pth``) for this command and for images that copy it in by hand.
 """
 
 import os
 import sys
 import sysconfig
 import tempfile
+from pathlib import Path
 
 PTH_NAME = "mtp_overlay_startup.pth"
-PTH_TEXT = """\
-# mtp-overlay process-startup hook (`mtp-overlay startup-hook install|uninstall|status`).
-# At interpreter start, site.py runs the import line below in every interpreter of this environment,
-# so the overlay's lazy import hooks are in place before user code runs. If `import mtp_overlay`
-# fails, one line goes to stderr and the interpreter carries on without the overlay.
-import sys; exec("try:\\n    import mtp_overlay\\nexcept Exception as exc:\\n    sys.stderr.write(f'mtp-overlay startup hook: import mtp_overlay failed ({type(exc).__name__}: {exc}); continuing without it\\\\n')")
-"""
+PTH_TEXT = Path(__file__).with_name("startup.pth").read_text(encoding="utf-8")
 
 
 def site_packages_dir(site_packages=None):

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from mtp_overlay import registry
-from mtp_overlay.fix import distribution_version
+from mtp_overlay.contract import distribution_version
 from mtp_overlay.testing.releases import release_site, run_with_release
 
 RELEASES = {
@@ -25,21 +25,22 @@ MEASURE = """
 import json, warnings
 warnings.simplefilter("ignore")
 from mtp_overlay import registry
+from mtp_overlay.contract import State
+from mtp_overlay.testing.reproducers import reproduce
 rows = []
-for fix in registry.FIXES:
-    if fix.distribution != {distribution!r}:
+for name in registry.names():
+    if registry.get(name).distribution != {distribution!r}:
         continue
-    row = registry.check([fix.name])[0].as_dict()
-    if row["state"] == "failed" and "import failed" in row["reason"]:
-        row["state"] = "unsupported"  # the release does not import on this stack: nothing to measure
-    if row["state"] not in ("needed", "redundant"):
-        row["run"] = f"not run: the probe says {{row['state']}}"
+    row = registry.check([name])[0].as_dict()
+    if row["verdict"] not in (State.NEEDED, State.REDUNDANT):
+        row["run"] = f"not run: the probe says {{row['verdict']}}"
     else:
         try:
-            shows, evidence = fix.reproduce()
-            row["run"] = ("needed" if shows else "redundant") + ": " + evidence
+            shows, evidence = reproduce(name)
+            row["run"] = (State.NEEDED if shows else State.REDUNDANT) + ": " + evidence
         except Exception as exc:
-            row["run"] = f"not run: {{type(exc).__name__}}: {{exc}}"
+            lines = [line for line in str(exc).splitlines() if line.strip()]
+            row["run"] = f"not run: {{type(exc).__name__}}: {{lines[-1].strip() if lines else ''}}"
     rows.append(row)
 print("MATRIX " + json.dumps(rows))
 """
@@ -64,9 +65,9 @@ def main():
         for version in versions:
             print(f"measuring {distribution} {version or distribution_version(distribution)}", file=sys.stderr)
             rows += measure(distribution, version)
-    order = [fix.name for fix in registry.FIXES]
+    order = registry.names()
     rows.sort(key=lambda row: (order.index(row["name"]), [int(p) for p in row["version"].split(".")[:3]]))
-    pins = {fix.distribution: distribution_version(fix.distribution) for fix in registry.FIXES}
+    pins = {fix.distribution: distribution_version(fix.distribution) for fix in map(registry.get, order)}
     lines = [
         "# Support matrix",
         "",
@@ -80,7 +81,7 @@ def main():
         "| --- | --- | --- | --- | --- | --- |",
     ]
     lines += [
-        f"| {row['name']} | {row['distribution']} | {row['version']} | **{row['state']}** | "
+        f"| {row['name']} | {row['distribution']} | {row['version']} | **{row['verdict']}** | "
         f"{cell(row['reason'])} | {cell(row['run'])} |"
         for row in rows
     ]

@@ -6,15 +6,19 @@ attribute nobody reads, and MTP silently runs with the defaults.
 
 import dataclasses
 
-from ..fix import distribution_version
+from ..contract import distribution_version
 
-# key -> first megatron-core release whose TransformerConfig has the field
-MTP_CONFIG_KEYS = {
+# megatron-core MTP feature -> first release carrying it: the one place these thresholds live
+FIRST_RELEASE = {
     "mtp_num_layers": "0.12",
     "mtp_loss_scaling_factor": "0.12",
     "mtp_use_repeated_layer": "0.17",
     "mtp_detach_heads": "0.19",
+    "mtp_grad_scale_func": "0.19.0",
+    "mtp_labels_from_input_ids": "0.19.0",  # Megatron-LM PR #3457: labels=None rolls input_ids
 }
+# the TransformerConfig keys `apply_mtp_config` sets
+MTP_CONFIG_KEYS = {key: FIRST_RELEASE[key] for key in ("mtp_num_layers", "mtp_loss_scaling_factor", "mtp_use_repeated_layer", "mtp_detach_heads")}
 
 
 def apply_mtp_config(config, mtp_config):

@@ -8,7 +8,8 @@ step, or it lands in a saved config.
 
 import contextlib
 
-from ..fix import distribution_version
+from ..contract import distribution_version
+from .config import FIRST_RELEASE
 from .mask import config_of, global_valid_tokens
 
 
@@ -24,7 +25,7 @@ def mtp_grad_scale(model_or_config, token_mask, sample_mask, group=None):
     if not hasattr(config, "mtp_grad_scale_func"):
         raise ValueError(
             f"{type(config).__name__} has no mtp_grad_scale_func field: megatron-core {distribution_version('megatron-core')} "
-            "predates it (added in 0.19.0)"
+            f"predates it (added in {FIRST_RELEASE['mtp_grad_scale_func']})"
         )
     if not getattr(config, "calculate_per_token_loss", False):
         raise ValueError(

@@ -32,15 +32,34 @@ def add_parser(commands):
     return patch
 
 
+def patched_fixes(only=None):
+    """The Fix declarations that ship source patches (those of ``only``, which must all ship one)."""
+    from .. import registry
+
+    if only is None:
+        return [fix for fix in map(registry.get, registry.names()) if fix.families]
+    fixes = [registry.get(name) for name in only]
+    unpatched = [fix.name for fix in fixes if not fix.families]
+    if unpatched:
+        shipped = ", ".join(fix.name for fix in patched_fixes())
+        raise ValueError(f"--only: {', '.join(map(repr, unpatched))} ship no source patch; expected one of {shipped}")
+    return fixes
+
+
 def run(args):
-    from .engine import NEEDED, REDUNDANT, PatchError, run as run_engine
+    from pathlib import Path
+
+    from ..contract import State
+    from .engine import run as run_engine
+    from .gitapply import PatchError
     from .locate import site_dirs
     from .manifest import ManifestError, load
 
     try:
-        fixes = load(args.manifest).select(args.only)
+        fixes = patched_fixes(args.only)
+        manifest = load(Path(args.manifest).resolve())
         dirs = site_dirs(python=args.python, site_packages=args.site_packages)
-        reports = run_engine(args.action, fixes, dirs, dry_run=args.dry_run)
+        reports = run_engine(args.action, fixes, manifest, dirs, dry_run=args.dry_run)
     except (ManifestError, ValueError) as exc:
         print(f"mtp-overlay patch: {exc}", file=sys.stderr)
         return 2
@@ -53,9 +72,9 @@ def run(args):
     else:
         for row in rows:
             _print_row(row)
-    failed = any(row["action"] in ("refused", "failed") or row["state"] == "mismatch" for row in rows)
-    failed |= args.fail_on_redundant and any(row["state"] == REDUNDANT for row in rows)
-    failed |= args.fail_on_needed and any(row["state"] == NEEDED for row in rows)
+    failed = any(row["action"] in ("refused", "failed") or row["state"] == State.MISMATCH for row in rows)
+    failed |= args.fail_on_redundant and any(row["state"] == State.REDUNDANT for row in rows)
+    failed |= args.fail_on_needed and any(row["state"] == State.NEEDED for row in rows)
     return 1 if failed else 0
 
 

@@ -1,12 +1,13 @@
-"""``patches/manifest.json``: the one list of source-patch variants.
+"""``patches/manifest.json``: the measured sha256 of every file the source patches touch.
 
-Read by ``mtp-overlay patch`` and by ``Fix.patches``. For each fix: the distribution it patches, an
-optional upstream marker (the function that calls a name only where the behaviour is present), and
-its variants. A variant is a patch file, the version range it fits (a PEP 440 specifier set), and for
-each measured release the sha256 of every touched file before (``pre``) and after (``post``).
+For each distribution, release and touched file: the file's sha256 as released (``"released"``) and
+with each set of fixes' patches applied (key: the fix ids, sorted, joined by ``+``). Nothing else:
+which patch fits which release is the fix's own declaration (`Fix.families`, patch
+``<fix id>/<distribution>/<family>.patch`` beside the manifest), and so is its redundancy marker.
+Written by ``scripts/measure_patches.py`` from the real releases, never by hand.
 
-Variants are chosen by version range and pre-image hash, never by "the patch applies": the 0.17
-patch applies textually to 0.16 yet is wrong there (issue #7).
+Several fixes may patch one file: a file's hash then says exactly which of them it carries, and
+every patch applies on top of any other combination (the measuring script checks that).
 """
 
 import json
@@ -14,95 +15,66 @@ import re
 from functools import lru_cache
 from pathlib import Path
 
-FORMAT = 1
+FORMAT = 2
+RELEASED = "released"
 # mtp_overlay/patches links to the top-level patches/ in the source tree and is a copy of it in a wheel
 DEFAULT_PATH = Path(__file__).resolve().parents[1] / "patches" / "manifest.json"
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 class ManifestError(ValueError):
-    """The manifest or a patch it names is malformed; the message names the file and the key."""
+    """The manifest or a patch it implies is malformed; the message names the file and the key."""
 
 
-class Marker:
-    """On-disk sign that the patched behaviour is present: ``function`` in ``file`` references ``calls``."""
-
-    __slots__ = ("file", "function", "calls")
-
-    def __init__(self, file, function, calls):
-        self.file, self.function, self.calls = file, function, calls
-
-    def __str__(self):
-        return f"{self.function} already calls {self.calls}"
+def state_key(applied):
+    """The manifest key of a file carrying the patches of the fix ids in ``applied``."""
+    return "+".join(sorted(applied)) or RELEASED
 
 
-class Variant:
-    """One patch file, the versions it fits, and the measured pre/post hashes of its files."""
-
-    __slots__ = ("fix", "patch", "versions", "measured", "files")
-
-    def __init__(self, fix, patch, versions, measured, files):
-        self.fix, self.patch, self.versions = fix, patch, versions
-        self.measured = measured  # version -> {file: (pre sha256, post sha256)}
-        self.files = files  # touched paths, relative to site-packages, in patch order
-
-    def fits(self, version):
-        return self.versions.contains(version, prereleases=True)
-
-    def images(self, version):
-        """Candidate {file: (pre, post)} maps for ``version``: its own if measured, else every measured one."""
-        if version in self.measured:
-            return [self.measured[version]]
-        distinct = []
-        for images in self.measured.values():
-            if images not in distinct:
-                distinct.append(images)
-        return distinct
-
-    def __repr__(self):
-        return f"Variant({self.fix!r}, {self.patch.name!r}, {str(self.versions)!r})"
-
-
-class FixPatches:
-    """A fix's entry in the manifest."""
-
-    __slots__ = ("name", "distribution", "marker", "variants")
-
-    def __init__(self, name, distribution, marker, variants):
-        self.name, self.distribution, self.marker, self.variants = name, distribution, marker, variants
-
-    def variant_for(self, version):
-        """The variant whose range holds ``version``, or None; ManifestError if several do."""
-        fitting = [variant for variant in self.variants if variant.fits(version)]
-        if len(fitting) > 1:
-            names = ", ".join(f"{v.patch.name} ({v.versions})" for v in fitting)
-            raise ManifestError(f"{self.name}: {self.distribution} {version} fits several variants: {names}")
-        return fitting[0] if fitting else None
+def applied_in(key):
+    """The fix ids a manifest key stands for (`state_key`'s inverse)."""
+    return frozenset() if key == RELEASED else frozenset(key.split("+"))
 
 
 class Manifest:
-    __slots__ = ("path", "fixes")
+    """The parsed manifest: ``images[distribution][version][file] = {frozenset(fix ids): sha256}``."""
 
-    def __init__(self, path, fixes):
-        self.path, self.fixes = path, fixes  # fixes: name -> FixPatches, in manifest order
+    __slots__ = ("path", "images")
 
-    def select(self, only=None):
-        """The entries named in ``only`` (all when None); ValueError naming the known ones otherwise."""
-        if only is None:
-            return list(self.fixes.values())
-        unknown = [name for name in only if name not in self.fixes]
-        if unknown:
-            raise ValueError(
-                f"--only: no patches for {', '.join(map(repr, unknown))} in {self.path}; "
-                f"expected one of {', '.join(self.fixes) or '(none)'}"
-            )
-        return [self.fixes[name] for name in only]
+    def __init__(self, path, images):
+        self.path, self.images = Path(path), images
+
+    @property
+    def root(self):
+        """The folder holding the patches (the manifest's own)."""
+        return self.path.parent
+
+    def patch_path(self, fix, family):
+        """The patch file of ``fix`` for release family ``family`` (ManifestError when missing)."""
+        path = self.root / fix.name / fix.distribution / f"{family}.patch"
+        if not path.is_file():
+            raise ManifestError(f"{self.path}: {fix.name} declares release family {family!r} but {path} does not exist")
+        return path
+
+    def file_states(self, fix, version, file):
+        """Candidate ``{applied fix ids: sha256}`` maps for ``file`` of ``fix.distribution`` ``version``:
+        the release's own when measured, else those of every measured release of the same family."""
+        releases = self.images.get(fix.distribution, {})
+        if version in releases:
+            return [releases[version].get(file, {})]
+        family = fix.family_of(version)
+        distinct = []
+        for measured, files in releases.items():
+            states = files.get(file)
+            if states and fix.family_of(measured) == family and states not in distinct:
+                distinct.append(states)
+        return distinct
 
 
 def touched_files(patch):
     """Paths a unified diff touches, relative to its root (the ``a/``/``b/`` prefix dropped)."""
     files, old = [], None
-    for line in patch.read_text(encoding="utf-8").splitlines():
+    for line in Path(patch).read_text(encoding="utf-8").splitlines():
         if line.startswith("--- "):
             old = line[4:].split("\t")[0]
         elif line.startswith("+++ "):
@@ -119,9 +91,6 @@ def touched_files(patch):
 @lru_cache(maxsize=8)
 def load(path=DEFAULT_PATH):
     """Parse and validate the manifest at ``path`` (cached per path)."""
-    from packaging.specifiers import InvalidSpecifier, SpecifierSet
-    from packaging.version import InvalidVersion, Version
-
     path = Path(path)
     try:
         raw = json.loads(path.read_text(encoding="utf-8"))
@@ -129,72 +98,39 @@ def load(path=DEFAULT_PATH):
         raise ManifestError(f"patch manifest not found: {path}") from None
     except json.JSONDecodeError as exc:
         raise ManifestError(f"{path}: not JSON: {exc}") from None
+    if not isinstance(raw, dict) or raw.get("format") != FORMAT:
+        got = raw.get("format") if isinstance(raw, dict) else raw
+        raise ManifestError(f"{path}: format must be {FORMAT}, got {got!r}")
+    return Manifest(path, _images(path, {key: value for key, value in raw.items() if key not in ("format", "about")}))
 
-    def need(mapping, key, kind, where):
-        value = mapping.get(key) if isinstance(mapping, dict) else None
-        if not isinstance(value, kind):
-            raise ManifestError(f"{path}: {where}.{key} must be a {kind.__name__}, got {value!r}")
+
+def _images(path, raw):
+    """``raw`` (distribution -> version -> file -> key -> sha256) checked and keyed by frozensets."""
+    from packaging.version import InvalidVersion, Version
+
+    def mapping(value, where):
+        if not isinstance(value, dict) or not value:
+            raise ManifestError(f"{path}: {where} must be a non-empty object, got {value!r}")
         return value
 
-    if raw.get("format") != FORMAT:
-        raise ManifestError(f"{path}: format must be {FORMAT}, got {raw.get('format')!r}")
-    fixes, owners = {}, {}
-    for name, entry in need(raw, "fixes", dict, "manifest").items():
-        where = f"fixes[{name!r}]"
-        distribution = need(entry, "distribution", str, where)
-        marker = entry.get("marker")
-        if marker is not None:
-            marker = Marker(*(need(marker, key, str, f"{where}.marker") for key in ("file", "function", "calls")))
-        variants = []
-        for index, item in enumerate(need(entry, "variants", list, where)):
-            at = f"{where}.variants[{index}]"
-            patch = path.parent / need(item, "patch", str, at)
-            if not patch.is_file():
-                raise ManifestError(f"{path}: {at}.patch: no such file {patch}")
+    images = {}
+    for distribution, releases in raw.items():
+        for version, files in mapping(releases, distribution).items():
             try:
-                versions = SpecifierSet(need(item, "versions", str, at))
-            except InvalidSpecifier as exc:
-                raise ManifestError(f"{path}: {at}.versions: {exc}") from None
-            files = touched_files(patch)
-            measured = {}
-            for version, images in need(item, "measured", dict, at).items():
-                try:
-                    Version(version)
-                except InvalidVersion:
-                    raise ManifestError(f"{path}: {at}.measured: {version!r} is not a version") from None
-                if not versions.contains(version, prereleases=True):
-                    raise ManifestError(f"{path}: {at}.measured: {version} is outside {versions}")
-                if sorted(images) != sorted(files):
-                    raise ManifestError(
-                        f"{path}: {at}.measured[{version!r}] lists {sorted(images)}, "
-                        f"but {patch.name} touches {sorted(files)}"
-                    )
-                measured[version] = {}
-                for file in files:
-                    pair = need(images, file, dict, f"{at}.measured[{version!r}]")
-                    hashes = tuple(pair.get(key) for key in ("pre", "post"))
-                    if not all(isinstance(h, str) and _SHA256.fullmatch(h) for h in hashes):
-                        raise ManifestError(f"{path}: {at}.measured[{version!r}][{file!r}] needs pre and post sha256")
-                    measured[version][file] = hashes
-            if not measured:
-                raise ManifestError(f"{path}: {at}.measured is empty: measure at least one release")
-            variants.append(Variant(name, patch, versions, measured, files))
-        fix = FixPatches(name, distribution, marker, tuple(variants))
-        for variant in variants:
-            for version in variant.measured:
-                try:
-                    fix.variant_for(version)
-                except ManifestError as exc:  # two ranges overlap on a measured release
-                    raise ManifestError(f"{path}: {exc}") from None
-            for file in variant.files:
-                owner = owners.setdefault((distribution, file), name)
-                if owner != name:
-                    raise ManifestError(f"{path}: {name} and {owner} both patch {distribution}'s {file}")
-        fixes[name] = fix
-    return Manifest(path, fixes)
-
-
-def variants_for(fix_name, path=DEFAULT_PATH):
-    """The variants of ``fix_name`` (empty when the manifest has none for it)."""
-    entry = load(path).fixes.get(fix_name)
-    return entry.variants if entry else ()
+                Version(version)
+            except InvalidVersion:
+                raise ManifestError(f"{path}: {distribution}: {version!r} is not a version") from None
+            for file, states in mapping(files, f"{distribution}[{version!r}]").items():
+                where = f"{distribution}[{version!r}][{file!r}]"
+                mapping(states, where)
+                if RELEASED not in states:
+                    raise ManifestError(f"{path}: {where} has no {RELEASED!r} sha256")
+                for key, digest in states.items():
+                    if not (isinstance(digest, str) and _SHA256.fullmatch(digest)):
+                        raise ManifestError(f"{path}: {where}[{key!r}] must be a sha256, got {digest!r}")
+                    if key != state_key(applied_in(key)):
+                        raise ManifestError(f"{path}: {where}: key {key!r} must be fix ids, sorted, joined by '+'")
+                images.setdefault(distribution, {}).setdefault(version, {})[file] = {
+                    applied_in(key): digest for key, digest in states.items()
+                }
+    return images

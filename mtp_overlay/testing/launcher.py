@@ -1,12 +1,14 @@
-"""Run a function on N spawned torch.distributed ranks with Megatron model parallelism set up.
+"""Run functions on N spawned torch.distributed ranks with Megatron model parallelism set up.
 
-``run_ranks(fn, world_size, tp=2)`` spawns ``world_size`` processes; each joins a process group on
-127.0.0.1 (gloo on CPU, nccl on CUDA), calls ``parallel_state.initialize_model_parallel(tp, 1, cp)``,
-seeds every generator (torch, Python, Megatron's model-parallel RNG tracker), runs
-``fn(*args, **kwargs)`` and always tears down (``destroy_model_parallel`` and
-``destroy_process_group``), even when ``fn`` raises. On CPU the shims of ``cpu_shims`` are installed
-around all of it. A rank that crashes or hangs never hangs the caller: the run is bounded by
-``timeout`` and, once one rank failed, the others get ``FAILURE_GRACE_S`` before they are killed.
+A `RankPool` spawns ``world_size`` processes once; each joins a process group on 127.0.0.1 (gloo on
+CPU, nccl on CUDA) and calls ``parallel_state.initialize_model_parallel(tp, 1, cp)``. Every
+``pool.run(fn)`` then installs the asked-for fixes in the ranks, seeds every generator (torch,
+Python, Megatron's model-parallel RNG tracker) and runs ``fn(*args, **kwargs)`` on every rank: the
+cost of starting ranks and importing torch and megatron-core is paid once per pool, not per case.
+`run_ranks` is a pool used for one call. On CPU the shims of ``cpu_shims`` are installed in the
+ranks. A rank that crashes or hangs never hangs the caller: each run is bounded by ``timeout``;
+once one rank failed, the others get ``FAILURE_GRACE_S`` before they are killed, and a pool whose
+run failed starts fresh ranks for its next run.
 
 ``fn`` and its arguments must be picklable (a module-level function), as must its return value.
 """
@@ -15,6 +17,7 @@ import dataclasses
 import multiprocessing
 import multiprocessing.connection
 import os
+import pickle
 import socket
 import time
 import traceback
@@ -46,55 +49,100 @@ class RanksFailed(RuntimeError):
         super().__init__(f"{len(failed)} of {len(results)} ranks failed:\n{text}")
 
 
-def run_ranks(
-    fn, world_size, *, tp=1, cp=1, args=(), kwargs=None, fixes=None, timeout=300, seed=1234, device="cpu"
-):
-    """Run ``fn(*args, **kwargs)`` on ``world_size`` spawned ranks; one RankResult per rank, by rank.
+class RankPool:
+    """``world_size`` ranks with TP/CP set up, reused by every `run`; spawned at the first one.
 
     tp, cp: tensor / context parallel sizes (``world_size`` must be a multiple of ``tp * cp``; the
-    rest is data parallel). fixes: overlay fixes installed in the workers; None leaves what
-    ``import mtp_overlay`` installs, a list of fix names installs exactly those, ``[]`` none.
-    timeout: seconds for the whole run. seed: seeds torch, ``random`` and Megatron's RNG tracker
-    identically on every rank. device: "cpu" (gloo + CPU shims) or "cuda" (nccl, no shims, one GPU
-    per rank).
+    rest is data parallel). seed: seeds torch, ``random`` and Megatron's RNG tracker identically on
+    every rank before each run. device: "cpu" (gloo + CPU shims) or "cuda" (nccl, no shims, one GPU
+    per rank). log: a file the ranks' stdout and stderr go to (appended), or None to inherit ours.
+    Use it as a context manager, or call `close`.
     """
-    _check_arguments(world_size, tp, cp, fixes, timeout, device)
-    context = multiprocessing.get_context("spawn")
-    port = _free_port()
-    readers, processes = {}, {}
-    try:
-        for rank in range(world_size):
-            reader, writer = context.Pipe(duplex=False)
-            readers[reader] = rank
-            setup = dict(rank=rank, world_size=world_size, port=port, seed=seed)
-            setup.update(tp=tp, cp=cp, fixes=fixes, device=device)
-            processes[rank] = context.Process(
-                target=_worker, args=(setup, fn, tuple(args), dict(kwargs or {}), writer), daemon=True
-            )
+
+    def __init__(self, world_size, *, tp=1, cp=1, seed=1234, device="cpu", log=None):
+        _check_layout(world_size, tp, cp, device)
+        self.world_size, self.tp, self.cp, self.seed, self.device = world_size, tp, cp, seed, device
+        self.log = None if log is None else os.fspath(log)
+        self._processes, self._connections = {}, {}
+
+    def run(self, fn, *, args=(), kwargs=None, fixes=None, timeout=300):
+        """``fn(*args, **kwargs)`` on every rank; one RankResult per rank, by rank.
+
+        fixes: overlay fixes installed in the ranks for this run; None installs what
+        ``import mtp_overlay`` installs, a list of fix names installs exactly those, ``[]`` none.
+        timeout: seconds for this run (the ranks' start-up included on the first one).
+        """
+        _check_run(fixes, timeout)
+        job = pickle.dumps((fn, tuple(args), dict(kwargs or {}), fixes))  # refused here, before any rank starts
+        if not self._processes:
+            self._start()
+        for connection in self._connections.values():
+            connection.send_bytes(job)
+        results = _collect(self._connections, self._processes, timeout)
+        if not all(result.ok for result in results):
+            self.close()  # a rank that failed mid-collective leaves its peers unusable: start afresh
+        return results
+
+    def run_checked(self, fn, **options):
+        """`run` that returns the values by rank, or raises RanksFailed with every traceback."""
+        return _values(self.run(fn, **options))
+
+    def close(self):
+        """Stop the ranks (killed if they do not leave at once); the next `run` starts new ones."""
+        for connection in self._connections.values():
             try:
-                processes[rank].start()  # pickles fn, args and kwargs
-            finally:
-                writer.close()  # the child holds the only writer: EOF on the reader means it died
-        return _collect(readers, processes, timeout)
-    finally:
-        for process in processes.values():
+                connection.send_bytes(b"")
+            except OSError:
+                pass
+        for process in self._processes.values():
+            process.join(2)
             if process.is_alive():
                 process.kill()
-            if process.pid is not None:  # started
                 process.join(5)
-        for reader in readers:
-            reader.close()
+        for connection in self._connections.values():
+            connection.close()
+        self._processes, self._connections = {}, {}
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _start(self):
+        context = multiprocessing.get_context("spawn")
+        port = _free_port()
+        for rank in range(self.world_size):
+            ours, theirs = context.Pipe(duplex=True)
+            setup = dict(rank=rank, world_size=self.world_size, port=port, seed=self.seed)
+            setup.update(tp=self.tp, cp=self.cp, device=self.device, log=self.log)
+            self._processes[rank] = context.Process(target=_worker, args=(setup, theirs), daemon=True)
+            self._connections[rank] = ours
+            try:
+                self._processes[rank].start()
+            finally:
+                theirs.close()  # the child holds the only other end: EOF means it died
+
+
+def run_ranks(fn, world_size, *, tp=1, cp=1, args=(), kwargs=None, fixes=None, timeout=300, seed=1234,
+              device="cpu", log=None):
+    """``fn(*args, **kwargs)`` on ``world_size`` fresh ranks (a `RankPool` for one run)."""
+    with RankPool(world_size, tp=tp, cp=cp, seed=seed, device=device, log=log) as pool:
+        return pool.run(fn, args=args, kwargs=kwargs, fixes=fixes, timeout=timeout)
 
 
 def run_ranks_checked(fn, world_size, **options):
     """``run_ranks`` that returns the values by rank, or raises RanksFailed with every traceback."""
-    results = run_ranks(fn, world_size, **options)
+    return _values(run_ranks(fn, world_size, **options))
+
+
+def _values(results):
     if not all(result.ok for result in results):
         raise RanksFailed(results)
     return [result.value for result in results]
 
 
-def _check_arguments(world_size, tp, cp, fixes, timeout, device):
+def _check_layout(world_size, tp, cp, device):
     for name, value in (("world_size", world_size), ("tp", tp), ("cp", cp)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -108,15 +156,18 @@ def _check_arguments(world_size, tp, cp, fixes, timeout, device):
         if world_size > torch.cuda.device_count():
             raise ValueError(f"device='cuda' needs one GPU per rank: world_size {world_size}, "
                              f"{torch.cuda.device_count()} CUDA devices")
+
+
+def _check_run(fixes, timeout):
     if not timeout > 0:
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
     if fixes is not None:
         if isinstance(fixes, str):
             raise TypeError(f"fixes must be None or a list of fix names, got the string {fixes!r}")
-        from ..registry import get
+        from mtp_overlay import registry
 
         for name in fixes:
-            get(name)  # ValueError naming the known fixes
+            registry.lifecycle(name)  # ValueError naming the known fixes
 
 
 def _free_port():
@@ -125,17 +176,17 @@ def _free_port():
         return sock.getsockname()[1]
 
 
-def _collect(readers, processes, timeout):
+def _collect(connections, processes, timeout):
     """Read one RankResult per rank; a rank that dies or never answers gets one that says so."""
     results = {}
     deadline = time.monotonic() + timeout
-    pending = dict(readers)
+    pending = {connection: rank for rank, connection in connections.items()}
     while pending and time.monotonic() < deadline:
         ready = multiprocessing.connection.wait(list(pending), timeout=max(0.0, deadline - time.monotonic()))
-        for reader in ready:
-            rank = pending.pop(reader)
+        for connection in ready:
+            rank = pending.pop(connection)
             try:
-                results[rank] = reader.recv()
+                results[rank] = connection.recv()
             except (EOFError, OSError):
                 processes[rank].join(5)
                 died = f"rank {rank} died without a result (exit code {processes[rank].exitcode})"
@@ -149,70 +200,100 @@ def _collect(readers, processes, timeout):
     return [results[rank] for rank in sorted(results)]
 
 
-def _worker(setup, fn, args, kwargs, writer):
+def _worker(setup, connection):
+    """A rank: set up once, then run each job sent until an empty message (or EOF) ends it."""
+    if setup["log"] is not None:
+        _redirect_output(setup["log"])
     rank = setup["rank"]
     try:
-        value = _run_rank(setup, fn, args, kwargs)
-        result = RankResult(rank, value=value)
-    except BaseException:  # the caller must hear about everything, SystemExit included
-        result = RankResult(rank, error=traceback.format_exc())
-    try:
-        writer.send(result)
-    except Exception:  # the value did not pickle
-        error = f"rank {rank}: return value did not pickle:\n{traceback.format_exc()}"
-        writer.send(RankResult(rank, error=error))
-    writer.close()
+        context = _RankContext(setup)
+    except BaseException:
+        context, failure = None, traceback.format_exc()
+    while True:
+        try:
+            job = connection.recv_bytes()
+        except (EOFError, OSError):
+            break
+        if not job:
+            break
+        try:
+            if context is None:
+                raise RuntimeError(f"rank {rank} could not start:\n{failure}")
+            result = RankResult(rank, value=context.run(*pickle.loads(job)))
+        except BaseException:  # the caller must hear about everything, SystemExit included
+            result = RankResult(rank, error=traceback.format_exc())
+        try:
+            connection.send(result)
+        except Exception:  # the value did not pickle
+            connection.send(RankResult(rank, error=f"rank {rank}: return value did not pickle:\n{traceback.format_exc()}"))
+    if context is not None:
+        context.close()
+    connection.close()
 
 
-def _run_rank(setup, fn, args, kwargs):
-    import contextlib
-
-    import torch
-
-    import mtp_overlay
-
-    fixes = setup["fixes"]
-    if fixes is not None:
-        mtp_overlay.uninstall()
-        mtp_overlay.install(only=fixes)
-    torch.set_num_threads(1)
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(setup["port"])
-    if setup["device"] == "cpu":
-        from .cpu_shims import cpu_shims
-
-        shims, backend = cpu_shims(), "gloo"
-    else:
-        torch.cuda.set_device(setup["rank"] % torch.cuda.device_count())
-        shims, backend = contextlib.nullcontext(), "nccl"
-    with shims:
-        return _run_in_process_group(setup, backend, fn, args, kwargs)
+def _redirect_output(path):
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(descriptor, 1)
+    os.dup2(descriptor, 2)
+    os.close(descriptor)
 
 
-def _run_in_process_group(setup, backend, fn, args, kwargs):
-    import datetime
-    import random
+class _RankContext:
+    """One rank's process group, model parallelism and (on CPU) shims, for the pool's life."""
 
-    import torch
-    import torch.distributed as dist
-    from megatron.core import parallel_state, tensor_parallel
+    def __init__(self, setup):
+        import datetime
 
-    dist.init_process_group(
-        backend,
-        init_method=f"tcp://127.0.0.1:{setup['port']}",
-        rank=setup["rank"],
-        world_size=setup["world_size"],
-        timeout=datetime.timedelta(seconds=120),
-    )
-    try:
+        import torch
+        import torch.distributed as dist
+        from megatron.core import parallel_state
+
+        self.setup = setup
+        torch.set_num_threads(1)
+        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(setup["port"])
+        if setup["device"] == "cpu":
+            from . import cpu_shims
+
+            cpu_shims.install()
+            backend = "gloo"
+        else:
+            torch.cuda.set_device(setup["rank"] % torch.cuda.device_count())
+            backend = "nccl"
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://127.0.0.1:{setup['port']}",
+            rank=setup["rank"],
+            world_size=setup["world_size"],
+            timeout=datetime.timedelta(seconds=120),
+        )
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=setup["tp"],
             pipeline_model_parallel_size=1,
             context_parallel_size=setup["cp"],
         )
-        random.seed(setup["seed"])
-        torch.manual_seed(setup["seed"])
-        tensor_parallel.model_parallel_cuda_manual_seed(setup["seed"])
+
+    def run(self, fn, args, kwargs, fixes):
+        import random
+
+        import torch
+        from megatron.core import tensor_parallel
+
+        import mtp_overlay
+
+        mtp_overlay.uninstall()
+        if fixes is None:
+            mtp_overlay.install()
+        elif fixes:
+            mtp_overlay.install(only=fixes)
+        seed = self.setup["seed"]
+        random.seed(seed)
+        torch.manual_seed(seed)
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
         return fn(*args, **kwargs)
-    finally:
+
+    def close(self):
+        import torch.distributed as dist
+        from megatron.core import parallel_state
+
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()

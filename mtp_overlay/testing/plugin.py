@@ -1,7 +1,10 @@
-"""pytest plugin (entry point ``pytest11: mtp_overlay``): the ``gpu`` marker and ``mtp_run_ranks``.
+"""pytest plugin of the test bed, opt-in: ``pytest -p mtp_overlay.testing.plugin`` or, in a conftest,
+``pytest_plugins = ["mtp_overlay.testing.plugin"]``.
 
-Loaded by every pytest run of an environment with mtp-overlay installed, so it imports nothing
-heavy: torch is imported only when a ``gpu``-marked test is collected.
+Loading it imports ``mtp_overlay`` (whose fixes then wait for their targets), so a suite that checks
+*stock* upstream behaviour does not load it and stays unpatched. It gives the ``gpu`` marker (skipped
+without CUDA; torch is imported only when such a test is collected), ``mtp_run_ranks`` (the
+launcher's `run_ranks`) and ``mtp_rank_pools`` (one `RankPool` per layout, shared by the session).
 """
 
 import pytest
@@ -28,7 +31,25 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture
 def mtp_run_ranks():
-    """``mtp_overlay.testing.launcher.run_ranks``: run a function on spawned Megatron ranks."""
+    """``mtp_overlay.testing.launcher.run_ranks``: run a function on freshly spawned Megatron ranks."""
     from .launcher import run_ranks
 
     return run_ranks
+
+
+@pytest.fixture(scope="session")
+def mtp_rank_pools():
+    """``pools(world_size, tp=1, cp=1)``: the session's `RankPool` for that layout (started once)."""
+    from .launcher import RankPool
+
+    pools = {}
+
+    def pool(world_size, tp=1, cp=1):
+        key = (world_size, tp, cp)
+        if key not in pools:
+            pools[key] = RankPool(world_size, tp=tp, cp=cp)
+        return pools[key]
+
+    yield pool
+    for found in pools.values():
+        found.close()

@@ -48,6 +48,13 @@ def run_with_release(site, code, env=None, timeout=600):
     )
 
 
+def installed_site(distribution):
+    """The folder the running interpreter's ``distribution`` is installed in (its files are relative to it)."""
+    from importlib import metadata
+
+    return Path(metadata.distribution(distribution).locate_file(""))
+
+
 def copy_installed(distribution, destination, site=None):
     """Copy an installed distribution (its packages and dist-info) into ``destination``.
 

@@ -7,8 +7,6 @@ op is synchronous); the communicators stand in for vLLM's PyNcclCommunicator (a 
 
 import contextlib
 
-PACKED_TENSOR = "vllm.distributed.weight_transfer.packed_tensor"
-
 
 class HostStream:
     """A CUDA stream on the host: nothing to wait for."""
@@ -39,7 +37,10 @@ def host_streams(module=None):
     import torch
 
     stream = HostStream()
-    module = module or importlib.import_module(PACKED_TENSOR)
+    if module is None:
+        from mtp_overlay import registry
+
+        module = importlib.import_module(registry.get("device-normalized-broadcast").targets[0])
     replacements = [
         (module, "_get_streams", lambda index, count: (stream,) * count),
         (torch.accelerator, "current_device_index", lambda: 0),

@@ -1,4 +1,4 @@
-"""Upstream tracking on real upstream copies (issue #8): the committed support matrix is current for
+"""Upstream tracking on real upstream copies: the committed support matrix is current for
 the default pins, and a fix that upstream absorbed or that stopped fitting fails CI loudly."""
 
 import os
@@ -13,7 +13,7 @@ from mtp_overlay import registry
 from mtp_overlay.testing.releases import copy_installed, run_with_release
 
 ROOT = Path(__file__).resolve().parents[2]
-PATCH = ROOT / "patches" / "megatron-core" / "mtp-sp-scatter" / "0.19.patch"
+PATCH = ROOT / "patches" / "mtp-sp-scatter" / "megatron-core" / "0.19.patch"
 ROW = re.compile(r"^\| (?P<name>[\w-]+) \| (?P<dist>[\w.-]+) \| (?P<version>[\w.]+) \| \*\*(?P<state>\w+)\*\* \|")
 
 
@@ -29,9 +29,9 @@ def test_committed_support_matrix_is_current_for_the_default_pins():
             continue
         key = (row.name, row.version)
         assert key in table, f"docs/SUPPORT.md has no row for {key}: run scripts/upstream_matrix.sh"
-        assert table[key] == row.state, (
+        assert table[key] == row.verdict, (
             f"docs/SUPPORT.md says {row.name} is {table[key]} on {row.distribution} {row.version}, "
-            f"the probe now says {row.state} ({row.reason}): run scripts/upstream_matrix.sh"
+            f"the probe now says {row.verdict} ({row.reason}): run scripts/upstream_matrix.sh"
         )
 
 

@@ -1,4 +1,4 @@
-"""`mtp-overlay patch apply|check|revert` on real megatron-core installs (issue #7).
+"""`mtp-overlay patch apply|check|revert` on real megatron-core installs.
 
 Every case works on a private copy of a real release (the venv's 0.19.2, or 0.16.1 / 0.18.2 unpacked
 from their wheels): the `megatron` package and its dist-info in a temporary site folder. Trees are
@@ -20,11 +20,15 @@ import pytest
 
 from mtp_overlay import registry
 from mtp_overlay.cli import main
-from mtp_overlay.patching import engine
-from mtp_overlay.patching.manifest import DEFAULT_PATH, load
+from mtp_overlay.contract import Fix
+from mtp_overlay.lifecycle import Lifecycle
+from mtp_overlay.patching import engine, transaction
+from mtp_overlay.patching.manifest import DEFAULT_PATH, load, state_key
+from mtp_overlay.testing.patch_images import measure, patches_for
 from mtp_overlay.testing.releases import copy_installed, run_with_release
 
 REPO = Path(__file__).resolve().parents[2]
+SP_SCATTER = registry.get("mtp-sp-scatter")
 WHEELS = REPO / ".cache" / "wheels"
 SITES = REPO / ".cache" / "sites"
 MODULE = "megatron/core/transformer/multi_token_prediction.py"
@@ -88,9 +92,11 @@ def sha(path):
 
 
 def patch(capsys, *args):
-    """Run `mtp-overlay patch ARGS --json` in process: (exit code, the fix reports)."""
+    """Run `mtp-overlay patch ARGS --json` in process (mtp-sp-scatter's patch unless ``--only`` says
+    otherwise): (exit code, the fix reports)."""
     capsys.readouterr()
-    code = main(["patch", *args, "--json"])
+    only = [] if "--only" in args else ["--only", "mtp-sp-scatter"]
+    code = main(["patch", *args, *only, "--json"])
     out = capsys.readouterr().out
     return code, json.loads(out) if out.strip() else []
 
@@ -101,66 +107,56 @@ def git_apply_check(site, patch_file):
 
 
 def measured(version):
-    variant = load().fixes["mtp-sp-scatter"].variant_for(version)
-    return variant, variant.measured[version][MODULE]
+    """(patch file name, (released sha256, patched sha256)) of mtp-sp-scatter's file in ``version``."""
+    states = load().images["megatron-core"][version][MODULE]
+    return f"{SP_SCATTER.family_of(version)}.patch", (states[frozenset()], states[frozenset({SP_SCATTER.name})])
 
 
 def leftovers(root):
-    return [p for p in Path(root).rglob("*") if p.name.endswith((".orig", ".rej", ".mtp-overlay-tmp"))]
+    names = (".orig", ".rej", ".mtp-overlay-tmp", transaction.JOURNAL)
+    return [p for p in Path(root).rglob("*") if p.name.endswith(names)]
 
 
 # --- the manifest ---------------------------------------------------------------------------------
-MEASURED = [
-    (variant.patch.name, version)
-    for variant in load().fixes["mtp-sp-scatter"].variants
-    for version in variant.measured
-]
+MEASURED = sorted(load().images["megatron-core"])
 
 
-@pytest.mark.parametrize(("patch_name", "version"), MEASURED)
-def test_manifest_hashes_are_those_of_the_released_wheels(patch_name, version, tmp_path):
-    """Every measured release: its wheel's file has the manifest's pre-image, its variant makes the post-image."""
-    fix = load().fixes["mtp-sp-scatter"]
-    variant = fix.variant_for(version)
-    assert variant.patch.name == patch_name  # one variant per release, by version range
+@pytest.mark.parametrize("version", MEASURED)
+def test_manifest_hashes_are_those_of_the_released_wheels(version):
+    """Every measured release: the wheel's files have the manifest's released sha256, and applying every
+    combination of the fixes' patches to them gives exactly the manifest's other hashes."""
+    fixes = [registry.get(name) for name in registry.names()]
+    patches = patches_for(fixes, "megatron-core", version, DEFAULT_PATH.parent)
+    images = load().images["megatron-core"][version]
     with zipfile.ZipFile(wheel(version)) as archive:
-        released = archive.read(MODULE)
-    pre, post = variant.measured[version][MODULE]
-    assert hashlib.sha256(released).hexdigest() == pre
-    files, error = engine._git_apply(variant, {MODULE: released}, reverse=False)
-    assert error == "" and hashlib.sha256(files[MODULE]).hexdigest() == post
+        released = {file: archive.read(file) for file in images}
+    assert measure(patches, released) == {
+        file: {state_key(applied): digest for applied, digest in states.items()} for file, states in images.items()
+    }
 
 
-def test_fix_patches_come_from_the_manifest():
-    fix = registry.get("mtp-sp-scatter")
-    assert [v.patch.name for v in fix.patches] == [v.patch.name for v in load(DEFAULT_PATH).fixes[fix.name].variants]
-    assert registry.get("mtp-loss-mask").patches == ()
-
-
-def test_manifest_marker_is_the_runtime_probes_redundancy_signal():
-    """The patch engine (reading files) and the runtime probe (reading code objects) must look for
-    the same call in the same function, or `patch check` and `mtp-overlay check` could disagree."""
-    from mtp_overlay.fixes import sp_scatter
-
-    marker = load(DEFAULT_PATH).fixes["mtp-sp-scatter"].marker
-    assert marker.file == sp_scatter.TARGET.replace(".", "/") + ".py"
-    assert marker.function == "MultiTokenPredictionLayer._get_embeddings"
-    assert marker.calls == sp_scatter.SCATTER
+def test_every_release_family_has_its_patch():
+    for name in registry.names():
+        fix = registry.get(name)
+        for family in fix.families:
+            assert load().patch_path(fix, family).is_file()
+    assert registry.get("mtp-loss-mask").families == {}
 
 
 @pytest.mark.parametrize(
     ("edit", "message"),
     [
-        (lambda v: v.update(versions=">=0.18.0,<0.21"), "fits several variants"),
-        (lambda v: v.update(versions=">=0.19.0,<0.19.1"), "0.19.2 is outside"),
-        (lambda v: v["measured"]["0.19.2"][MODULE].update(post="f00"), "needs pre and post sha256"),
-        (lambda v: v.update(patch="missing.patch"), "no such file"),
-        (lambda v: v.update(versions="0.19"), "versions"),
+        (lambda raw: raw.update(format=1), "format must be 2"),
+        (lambda raw: raw["megatron-core"]["0.19.2"][MODULE].update(released="f00"), "must be a sha256"),
+        (lambda raw: raw["megatron-core"]["0.19.2"][MODULE].pop("released"), "has no 'released' sha256"),
+        (lambda raw: raw["megatron-core"].update({"0.19": {}}), "non-empty object"),
+        (lambda raw: raw["megatron-core"].update({"zero": raw["megatron-core"]["0.19.2"]}), "is not a version"),
+        (lambda raw: raw["megatron-core"]["0.19.2"][MODULE].update({"b+a": "0" * 64}), "sorted, joined by '+'"),
     ],
 )
 def test_malformed_manifest_is_a_usage_error_naming_the_key(edit, message, tmp_path, capsys):
     raw = json.loads(DEFAULT_PATH.read_text())
-    edit(raw["fixes"]["mtp-sp-scatter"]["variants"][-1])
+    edit(raw)
     folder = tmp_path / "patches"
     shutil.copytree(DEFAULT_PATH.parent, folder)
     (folder / "manifest.json").write_text(json.dumps(raw))
@@ -169,13 +165,22 @@ def test_malformed_manifest_is_a_usage_error_naming_the_key(edit, message, tmp_p
     assert message in error and str(folder / "manifest.json") in error
 
 
+def test_missing_patch_of_a_declared_family_is_a_usage_error(tmp_path, capsys):
+    site = site_copy("0.19.2", tmp_path)
+    folder = tmp_path / "patches"
+    shutil.copytree(DEFAULT_PATH.parent, folder)
+    (folder / "mtp-sp-scatter" / "megatron-core" / "0.19.patch").unlink()
+    assert main(["patch", "check", "--manifest", str(folder / "manifest.json"), "--site-packages", str(site)]) == 2
+    assert "declares release family '0.19'" in capsys.readouterr().err
+
+
 # --- apply / check / revert on real releases -----------------------------------------------------
 @pytest.mark.parametrize("version", ["0.19.2", "0.16.1", "0.18.2"])
 def test_apply_check_revert_round_trip_is_byte_identical(version, tmp_path, capsys):
     site = site_copy(version, tmp_path)
     before = tree(site)
     variant, (pre, post) = measured(version)
-    assert variant.patch.name == VARIANT_OF[version] and before[MODULE] == pre
+    assert variant == VARIANT_OF[version] and before[MODULE] == pre
 
     code, [row] = patch(capsys, "check", "--site-packages", str(site))
     assert code == 0 and row["state"] == "needed" and row["version"] == version
@@ -207,7 +212,7 @@ def test_apply_check_revert_round_trip_is_byte_identical(version, tmp_path, caps
 def test_variant_is_chosen_by_version_not_by_what_applies(tmp_path, capsys):
     """The 0.17 patch applies textually to 0.16.1 but names self.tp_group, which 0.16's layer lacks."""
     site = site_copy("0.16.1", tmp_path)
-    assert git_apply_check(site, REPO / "patches/megatron-core/mtp-sp-scatter/0.17.patch").returncode == 0
+    assert git_apply_check(site, REPO / "patches/mtp-sp-scatter/megatron-core/0.17.patch").returncode == 0
     code, [row] = patch(capsys, "apply", "--site-packages", str(site))
     assert code == 0 and row["variant"] == "0.16.patch"
     source = (site / MODULE).read_text()
@@ -241,7 +246,7 @@ def test_tampered_pre_image_is_refused_naming_file_and_hashes(version, tmp_path,
     _, (pre, _) = measured(version)
     found = sha(site / MODULE)
     # the hunk still fits textually: only the hash check stands between this tree and a silent patch
-    assert git_apply_check(site, REPO / "patches/megatron-core/mtp-sp-scatter" / VARIANT_OF[version]).returncode == 0
+    assert git_apply_check(site, REPO / "patches/mtp-sp-scatter/megatron-core" / VARIANT_OF[version]).returncode == 0
     before = tree(site)
 
     capsys.readouterr()
@@ -305,7 +310,7 @@ def test_release_past_every_variant_without_the_behaviour_is_refused(tmp_path, c
     set_version(site, "0.20.0")
     before = tree(site)
     code, [row] = patch(capsys, "apply", "--site-packages", str(site))
-    assert code == 1 and row["state"] == "mismatch" and "megatron-core 0.20.0 fits no variant" in row["reason"]
+    assert code == 1 and row["state"] == "mismatch" and "megatron-core 0.20.0 fits no release family" in row["reason"]
     assert tree(site) == before
 
 
@@ -317,34 +322,66 @@ def test_in_range_pre_image_that_already_scatters_is_redundant(tmp_path, capsys)
     assert code == 0 and (row["state"], row["action"]) == ("redundant", "skipped") and tree(site) == before
 
 
-# --- a two-file variant: all-or-nothing ----------------------------------------------------------
-def make_manifest(site, tmp_path, fixes):
-    """A test-only manifest: per fix name, one variant inserting a comment line into each of its files."""
-    folder = tmp_path / "test-manifest"
-    folder.mkdir()
-    entries = {}
-    for name, files in fixes.items():
-        diff, hashes = [], {}
-        for file in files:
-            old = (site / file).read_text().splitlines(keepends=True)
-            new = old[:3] + [f"# {name} test patch\n"] + old[3:]
-            diff += difflib.unified_diff(old, new, fromfile=f"a/{file}", tofile=f"b/{file}")
-            hashes[file] = {"pre": hashlib.sha256("".join(old).encode()).hexdigest(),
-                            "post": hashlib.sha256("".join(new).encode()).hexdigest()}
-        (folder / f"{name}.patch").write_text("Description: test-only variant\n---\n" + "".join(diff))
-        variant = {"patch": f"{name}.patch", "versions": ">=0.19,<0.20", "measured": {"0.19.2": hashes}}
-        entries[name] = {"distribution": "megatron-core", "variants": [variant]}
-    (folder / "manifest.json").write_text(json.dumps({"format": 1, "fixes": entries}))
-    return folder / "manifest.json"
+# --- test-only patches: several files, several fixes, all-or-nothing ------------------------------
+class CommentFix(Fix):
+    """A test-only fix whose 0.19 patch inserts a comment line into each of its files."""
+
+    summary = "test-only"
+
+    distribution = "megatron-core"
+    families = {"0.19": ">=0.19,<0.20"}
+
+    def __init__(self, name):
+        self.name = name
 
 
-def test_fault_at_every_file_boundary_leaves_the_tree_byte_identical(tmp_path, capsys, monkeypatch):
-    site = site_copy("0.19.2", tmp_path)
-    manifest = make_manifest(site, tmp_path, {"two-files": (MODULE, SECOND)})
+@pytest.fixture
+def test_fixes(site_0_19, tmp_path, monkeypatch):
+    """``make(name -> files)``: registered test-only fixes and a manifest measured for them; returns
+    the manifest path (the CLI's ``--manifest``) and the fixes."""
+
+    def make(files_of):
+        folder = tmp_path / "test-manifest"
+        fixes = []
+        for index, (name, files) in enumerate(files_of.items()):
+            diff, at = [], 3 + 40 * index  # hunks of fixes sharing a file never overlap
+            for file in files:
+                old = (site_0_19 / file).read_text().splitlines(keepends=True)
+                new = old[:at] + [f"# {name} test patch\n"] + old[at:]
+                diff += difflib.unified_diff(old, new, fromfile=f"a/{file}", tofile=f"b/{file}")
+            patch_file = folder / name / "megatron-core" / "0.19.patch"
+            patch_file.parent.mkdir(parents=True)
+            patch_file.write_text("Description: test-only patch\n---\n" + "".join(diff))
+            fix = CommentFix(name)
+            monkeypatch.setattr(registry, "FIXES", registry.FIXES + [(name, ())])
+            monkeypatch.setitem(registry._lifecycles, name, Lifecycle(name, (), fix))
+            fixes.append(fix)
+        patches = patches_for(fixes, "megatron-core", "0.19.2", folder)
+        released = {file: (site_0_19 / file).read_bytes() for files in files_of.values() for file in files}
+        images = {"megatron-core": {"0.19.2": measure(patches, released)}}
+        (folder / "manifest.json").write_text(json.dumps({"format": 2, **images}))
+        return folder / "manifest.json", fixes
+
+    return make
+
+
+@pytest.fixture
+def site_0_19(tmp_path):
+    return site_copy("0.19.2", tmp_path)
+
+
+def only(fixes):
+    return [option for fix in fixes for option in ("--only", fix.name)]
+
+
+def test_fault_at_every_file_boundary_leaves_the_tree_byte_identical(site_0_19, test_fixes, capsys, monkeypatch):
+    site = site_0_19
+    manifest, fixes = test_fixes({"two-files": (MODULE, SECOND)})
     pycs = [Path(py_compile.compile(str(site / file))) for file in (MODULE, SECOND)]
     before = tree(site)
-    writes = 4  # two sources, then each one's stale bytecode removed: MODULE, its pyc, SECOND, its pyc
-    real_put = engine._put
+    journal = site / transaction.JOURNAL
+    writes = 5  # the journal, then two sources and each one's stale bytecode: MODULE, its pyc, SECOND, its pyc
+    real_put = transaction._put
 
     for boundary in range(writes):
         for fault in ("raise", "torn write", "interrupt"):
@@ -360,48 +397,49 @@ def test_fault_at_every_file_boundary_leaves_the_tree_byte_identical(tmp_path, c
                     return real_put(path, b"torn")
                 return real_put(path, data)
 
-            monkeypatch.setattr(engine, "_put", faulty_put)
+            monkeypatch.setattr(transaction, "_put", faulty_put)
             if fault == "interrupt":
                 with pytest.raises(KeyboardInterrupt):
-                    engine.run("apply", load(manifest).select(None), [site])
+                    engine.run("apply", fixes, load(manifest), [site])
             else:
-                code, [row] = patch(capsys, "apply", "--site-packages", str(site), "--manifest", str(manifest))
+                code, [row] = patch(capsys, "apply", "--site-packages", str(site), "--manifest", str(manifest),
+                                    *only(fixes))
                 assert code == 1 and row["action"] == "failed" and "every file put back" in row["reason"]
             assert len(calls) > boundary, (boundary, fault)
             assert tree(site) == before, (boundary, fault)
             assert leftovers(site) == []
 
     written = []
-    monkeypatch.setattr(engine, "_put", lambda path, data: (written.append(path), real_put(path, data)))
-    code, [row] = patch(capsys, "apply", "--site-packages", str(site), "--manifest", str(manifest))
+    monkeypatch.setattr(transaction, "_put", lambda path, data: (written.append(path), real_put(path, data)))
+    code, [row] = patch(capsys, "apply", "--site-packages", str(site), "--manifest", str(manifest), *only(fixes))
     assert code == 0 and row["action"] == "patched" and not any(p.exists() for p in pycs)
-    assert written == [site / MODULE, pycs[0], site / SECOND, pycs[1]]  # the boundaries faulted above
-    code, [row] = patch(capsys, "revert", "--site-packages", str(site), "--manifest", str(manifest))
+    assert written == [journal, site / MODULE, pycs[0], site / SECOND, pycs[1]]  # the boundaries faulted above
+    code, [row] = patch(capsys, "revert", "--site-packages", str(site), "--manifest", str(manifest), *only(fixes))
     assert code == 0 and tree(site) == {k: v for k, v in before.items() if site / k not in pycs}
 
 
-def test_half_applied_tree_is_a_mismatch_and_left_alone(tmp_path, capsys):
-    site = site_copy("0.19.2", tmp_path)
-    manifest = make_manifest(site, tmp_path, {"two-files": (MODULE, SECOND)})
+def test_half_applied_tree_is_a_mismatch_and_left_alone(site_0_19, test_fixes, tmp_path, capsys):
+    site = site_0_19
+    manifest, fixes = test_fixes({"two-files": (MODULE, SECOND)})
     patched = tmp_path / "patched"
     shutil.copytree(site, patched)
-    code, _ = patch(capsys, "apply", "--site-packages", str(patched), "--manifest", str(manifest))
+    code, _ = patch(capsys, "apply", "--site-packages", str(patched), "--manifest", str(manifest), *only(fixes))
     assert code == 0
     shutil.copy(patched / MODULE, site / MODULE)  # what a non-atomic tool leaves after a crash
     before = tree(site)
     for action in ("check", "apply", "revert"):
-        code, [row] = patch(capsys, action, "--site-packages", str(site), "--manifest", str(manifest))
+        code, [row] = patch(capsys, action, "--site-packages", str(site), "--manifest", str(manifest), *only(fixes))
         assert code == 1 and row["state"] == "mismatch" and "half-applied" in row["reason"], action
         assert tree(site) == before
 
 
-def test_one_refused_fix_blocks_every_fix(tmp_path, capsys):
-    site = site_copy("0.19.2", tmp_path)
-    manifest = make_manifest(site, tmp_path, {"first": (MODULE,), "second": (SECOND,)})
+def test_one_refused_fix_blocks_every_fix(site_0_19, test_fixes, capsys):
+    site = site_0_19
+    manifest, fixes = test_fixes({"first": (MODULE,), "second": (SECOND,)})
     with open(site / SECOND, "a") as handle:
         handle.write("# a local edit\n")
     before = tree(site)
-    code, rows = patch(capsys, "apply", "--site-packages", str(site), "--manifest", str(manifest))
+    code, rows = patch(capsys, "apply", "--site-packages", str(site), "--manifest", str(manifest), *only(fixes))
     assert code == 1
     assert {row["fix"]: (row["state"], row["action"]) for row in rows} == {
         "second": ("mismatch", "refused"),
@@ -409,6 +447,30 @@ def test_one_refused_fix_blocks_every_fix(tmp_path, capsys):
     }
     assert "all-or-nothing" in next(row["reason"] for row in rows if row["fix"] == "first")
     assert tree(site) == before
+
+
+def test_fixes_sharing_a_file_apply_and_revert_in_any_order(site_0_19, test_fixes, capsys):
+    """Two fixes patch one file: each applies alone or on top of the other, and each reverts alone."""
+    site = site_0_19
+    manifest, (first, second) = test_fixes({"first": (MODULE,), "second": (MODULE, SECOND)})
+    before = tree(site)
+    run = lambda action, *fixes: patch(capsys, action, "--site-packages", str(site), "--manifest", str(manifest),
+                                       *only(fixes))
+    code, [row] = run("apply", second)
+    assert code == 0 and row["action"] == "patched"
+    code, [row] = run("check", first)
+    assert code == 0 and row["state"] == "needed"
+    code, [row] = run("apply", first)
+    assert code == 0 and row["action"] == "patched"
+    both = tree(site)
+    code, [row] = run("revert", second)
+    assert code == 0 and row["action"] == "reverted"
+    code, rows = run("check", first, second)
+    assert [row["state"] for row in rows] == ["applied", "needed"]
+    code, rows = run("apply", first, second)  # the other order, in one transaction
+    assert code == 0 and tree(site) == both
+    code, rows = run("revert", first, second)
+    assert code == 0 and tree(site) == before
 
 
 # --- finding the environment --------------------------------------------------------------------

@@ -18,10 +18,8 @@ producer (NeMo-RL's ``nemo_rl.utils.packed_tensor.packed_broadcast_producer``).
 
 import importlib
 
-from ..fix import Fix, Provenance, drifted, needed, redundant
+from ...contract import Fix, Provenance, drifted, needed, redundant
 
-PACKED_TENSOR = "vllm.distributed.weight_transfer.packed_tensor"
-NCCL_ENGINE = "vllm.distributed.weight_transfer.nccl_engine"
 PRODUCERS = ("packed_nccl_broadcast_producer", "packed_broadcast_producer")  # vLLM 0.33.0, older vLLM
 PRODUCER_PARAMETERS = ("iterator", "group", "src", "post_iter_func")
 PACK_PARAMETERS = ("iterator", "post_iter_func", "buffer_size_bytes")
@@ -212,7 +210,6 @@ class DeviceNormalizedBroadcastFix(Fix):
     name = "device-normalized-broadcast"
     summary = "Move every tensor of a vLLM weight-refit stream to the communicator's device before packing."
     distribution = "vllm"
-    targets = (PACKED_TENSOR, NCCL_ENGINE)
     provenance = Provenance(
         origin="NeMo-RL (weight refit with a non-learnable host constant, e.g. an audio filterbank)",
         upstream_fix=None,
@@ -220,11 +217,12 @@ class DeviceNormalizedBroadcastFix(Fix):
     )
 
     def probe(self, module):
-        if module.__name__ == NCCL_ENGINE:
+        packed_tensor_name, engine_name = self.targets
+        if module.__name__ == engine_name:
             path = one_by_one_path(module)
             if path is None:
                 paths = " nor ".join(f"{owner}.{method}" for owner, method, _ in ONE_BY_ONE_PATHS)
-                return drifted(f"{NCCL_ENGINE} has neither {paths} (the one-by-one path)")
+                return drifted(f"{engine_name} has neither {paths} (the one-by-one path)")
             owner, method, expected = path
             found = _parameters(getattr(owner, method))
             if found != expected:
@@ -234,22 +232,14 @@ class DeviceNormalizedBroadcastFix(Fix):
         why = _producer_drift(module)
         if why is not None:
             return drifted(why)
-        packed_tensor = module if module.__name__ == PACKED_TENSOR else importlib.import_module(PACKED_TENSOR)
+        packed_tensor = module if module.__name__ == packed_tensor_name else importlib.import_module(packed_tensor_name)
         return stock_packing_verdict(packed_tensor)
-
-    def reproduce(self):
-        """Run stock ``pack_tensors`` (never hooked) on a host+meta stream."""
-        packed_tensor = importlib.import_module(PACKED_TENSOR)
-        if not hasattr(packed_tensor, "pack_tensors"):
-            raise RuntimeError("this vLLM packs inside its producer, which runs only on CUDA streams")
-        error = stock_packing_error(packed_tensor)
-        return error is not None, f"stock pack_tensors on a host+meta stream: {error or 'packed it'}"
 
     def wrappers(self, module):
         for name in PRODUCERS:
             if name in vars(module):
                 yield module, name, normalizing_producer
-        path = one_by_one_path(module) if module.__name__ == NCCL_ENGINE else None
+        path = one_by_one_path(module) if module.__name__ == self.targets[1] else None
         if path is not None:
             owner, method, _ = path
             yield owner, method, ONE_BY_ONE_WRAPPERS[method]

@@ -19,8 +19,8 @@ import warnings
 import pytest
 
 from mtp_overlay import OverlayError, OverlayWarning, State
-from mtp_overlay.fixes import modules_cache
-from mtp_overlay.fixes.modules_cache import FIX
+from mtp_overlay.fixes import hf_modules_cache as modules_cache
+from mtp_overlay.fixes.hf_modules_cache import FIX
 from mtp_overlay.testing.remote_code import write_remote_code_model
 
 HEAD = """
@@ -240,7 +240,7 @@ def test_only_the_three_keys_travel_and_user_hook_and_job_env_are_kept(cluster, 
 
 RESOLVE = """
 import json, os, sys
-from mtp_overlay.fixes.modules_cache import modules_folder
+from mtp_overlay.fixes.hf_modules_cache import modules_folder
 before = modules_folder()  # from the environment: transformers not imported yet
 assert "transformers" not in sys.modules
 from transformers.dynamic_module_utils import HF_MODULES_CACHE
@@ -310,7 +310,7 @@ def test_loaded_transformers_constant_beats_a_later_environment_change(tmp_path)
 
 GENERATION = """
 import json, os, subprocess, sys
-from mtp_overlay.fixes.modules_cache import FIX, modules_folder
+from mtp_overlay.fixes.hf_modules_cache import FIX, modules_folder
 FIX.add_to_import_path(modules_folder())
 folder = os.path.realpath(os.environ["HF_MODULES_CACHE"])
 row = {"sys_path": sum(os.path.realpath(p) == folder for p in sys.path if p),
@@ -353,12 +353,12 @@ def isolated_paths(monkeypatch):
     """sys.path, PYTHONPATH and the fix's state as they were, after the test."""
     monkeypatch.setattr(sys, "path", list(sys.path))
     monkeypatch.delenv("PYTHONPATH", raising=False)
-    states = dict(FIX._target_states)
-    strict = FIX.strict
+    states = dict(FIX.lifecycle._target_states)
+    strict = FIX.lifecycle.strict
     yield monkeypatch
-    FIX._target_states.clear()
-    FIX._target_states.update(states)
-    FIX.strict = strict
+    FIX.lifecycle._target_states.clear()
+    FIX.lifecycle._target_states.update(states)
+    FIX.lifecycle.strict = strict
 
 
 def test_folder_appended_once_and_pythonpath_uses_os_pathsep(isolated_paths, tmp_path):
@@ -380,9 +380,9 @@ def test_world_writable_folder_is_refused(isolated_paths, tmp_path, mode):
     with pytest.warns(OverlayWarning, match="world-writable"):
         assert FIX.add_to_import_path(str(folder)) is False
     assert sys.path == before and "PYTHONPATH" not in os.environ
-    state, reason = FIX.state()
+    state, reason = FIX.lifecycle.state()
     assert state == State.FAILED and "world-writable" in reason
-    FIX.strict = True
+    FIX.lifecycle.strict = True
     with pytest.raises(OverlayError, match="world-writable"):
         FIX.add_to_import_path(str(folder))
 
@@ -479,13 +479,13 @@ def test_job_config_runtime_env_is_the_base_when_no_runtime_env_is_given():
 def test_hook_on_top_level_ray_wraps_init_lazily_and_probe_is_static(tmp_path):
     script = """
 import sys, mtp_overlay
-from mtp_overlay.fixes.modules_cache import FIX
+from mtp_overlay.fixes.hf_modules_cache import FIX
 from mtp_overlay.testing.remote_code import write_remote_code_model
 assert "ray" not in sys.modules
 import ray, wrapt
 assert isinstance(vars(ray)["init"], wrapt.FunctionWrapper), type(vars(ray)["init"])
 assert "transformers" not in sys.modules  # the probe is static: nothing of transformers imported
-print(FIX.state())
+print(FIX.lifecycle.state())
 # what vLLM does after a remote-code load: register the package pickle-by-value on Ray's cloudpickle
 # -> nothing left to fix
 from transformers import AutoConfig

@@ -210,28 +210,43 @@ def test_cpu_shims_install_and_restore_the_originals():
     assert all(vars(s.owner)[s.attribute] is o for s, o in zip(shims, originals))
 
 
-def test_plugin_skips_gpu_tests_without_cuda_and_serves_the_launcher(tmp_path):
+def test_plugin_is_opt_in_then_skips_gpu_tests_and_serves_the_launcher(tmp_path):
+    """An environment with mtp-overlay installed leaves a user's own pytest run unpatched, unless asked."""
     import torch
 
     (tmp_path / "test_user.py").write_text(
+        "import sys\n"
         "import pytest\n"
-        "from mtp_overlay.testing.launcher import run_ranks\n"
+        "def test_stock_upstream():\n"
+        "    assert ('mtp_overlay' in sys.modules) == pytest.OPTED_IN\n"
         "@pytest.mark.gpu\n"
         "def test_needs_gpu():\n"
         "    import torch\n"
         "    assert torch.cuda.is_available()\n"
+    )
+    (tmp_path / "conftest.py").write_text(
+        "import pytest\n"
+        "def pytest_configure(config):\n"
+        "    pytest.OPTED_IN = config.pluginmanager.has_plugin('mtp_overlay.testing.plugin')\n"
+    )
+
+    def pytest_run(*options):
+        return subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rA", *options, str(tmp_path)],
+            capture_output=True, text=True, cwd=tmp_path, timeout=120,
+        )
+
+    plain = pytest_run()  # no plugin: the overlay is not imported, and the gpu marker means nothing
+    assert "PASSED test_user.py::test_stock_upstream" in plain.stdout, plain.stdout
+    assert "SKIPPED" not in plain.stdout
+    (tmp_path / "test_fixture.py").write_text(
+        "from mtp_overlay.testing.launcher import run_ranks\n"
         "def test_fixture(mtp_run_ranks):\n"
         "    assert mtp_run_ranks is run_ranks\n"
     )
-    run = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        timeout=120,
-    )
-    expected = "2 passed" if torch.cuda.is_available() else "1 passed, 1 skipped"
-    assert expected in run.stdout, run.stdout + run.stderr
+    opted = pytest_run("-p", "mtp_overlay.testing.plugin")
+    expected = "3 passed" if torch.cuda.is_available() else "2 passed, 1 skipped"
+    assert expected in opted.stdout, opted.stdout + opted.stderr
 
 
 def test_unpicklable_function_is_refused_before_any_rank_starts():

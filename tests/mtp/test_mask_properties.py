@@ -411,7 +411,7 @@ def test_pad_token_id_fills_the_padding_and_must_fit_the_dtype(dtype, data):
 def test_version_in_errors_comes_from_the_shared_distribution_version():
     import dataclasses
 
-    from mtp_overlay.fix import distribution_version
+    from mtp_overlay.contract import distribution_version
 
     version = distribution_version("megatron-core")
     assert version and not hasattr(mtp.scaling, "_core_version")

@@ -11,9 +11,8 @@ where upstream puts it (after the embedding call, before the `mtp_detach_heads` 
 release's return layout.
 """
 
-from ..fix import Fix, Provenance, drifted, needed, redundant
+from ...contract import Fix, Marker, Provenance, drifted, needed, redundant
 
-TARGET = "megatron.core.transformer.multi_token_prediction"
 SCATTER = "scatter_to_sequence_parallel_region"
 
 # parameters of `_get_embeddings` by release -> (release family, index of decoder_input in its result);
@@ -42,25 +41,6 @@ def stock_get_embeddings(layer_class):
     return None if method is None else inspect.unwrap(method)
 
 
-def stock_mtp_input_lengths():
-    """Rank worker: per-rank sequence length of the MTP decoder input that stock `_get_embeddings`
-    returns for a non-scattering embedding under TP2+SP, and of the hidden states it meets."""
-    import torch
-    from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionLayer
-
-    from ..testing.tiny_gpt import build_tiny_gpt, make_batch
-
-    model = build_tiny_gpt(sequence_parallel=True, scatter_embedding_sequence_parallel=False)
-    batch = make_batch()
-    (batch_size, seq), tp = batch["input_ids"].shape, model.config.tensor_model_parallel_size
-    hidden = torch.zeros(seq // tp, batch_size, model.config.hidden_size)
-    method = stock_get_embeddings(MultiTokenPredictionLayer)
-    _, index = signature_variant(method)
-    result = method(model.mtp.layers[0], input_ids=batch["input_ids"], position_ids=batch["position_ids"],
-                    embedding=model.embedding, hidden_states=hidden)
-    return result[index].shape[0], hidden.shape[0]
-
-
 def embedding_scatters(embedding):
     """Upstream's rule: an embedding without the attribute scatters by itself."""
     return getattr(embedding, "scatter_to_sequence_parallel", True)
@@ -81,36 +61,34 @@ class SPScatterFix(Fix):
     name = "mtp-sp-scatter"
     summary = "Scatter the MTP embedding to the sequence-parallel region under SP/CP."
     distribution = "megatron-core"
-    targets = (TARGET,)
     provenance = Provenance(
         origin="NeMo-RL (Nemotron Omni MTP under TP+SP)",
         upstream_fix="Megatron-LM PR #6256 (commit 67700f79)",
         first_fixed_release="0.20.0",
     )
+    marker = Marker("megatron.core.transformer.multi_token_prediction", "MultiTokenPredictionLayer._get_embeddings", SCATTER)
+    families = {
+        "0.14-0.15": ">=0.14.0,<0.16",
+        "0.16": ">=0.16.0,<0.17",
+        "0.17": ">=0.17.0,<0.18",
+        "0.18": ">=0.18.0,<0.19",
+        "0.19": ">=0.19.0,<0.20",
+    }
 
     def probe(self, module):
         layer = getattr(module, "MultiTokenPredictionLayer", None)
         if layer is None:
-            return drifted(f"{TARGET} has no MultiTokenPredictionLayer")
+            return drifted(f"{module.__name__} has no MultiTokenPredictionLayer")
         method = stock_get_embeddings(layer)
         if method is None:
             return drifted("MultiTokenPredictionLayer has no _get_embeddings method")
-        if SCATTER in method.__code__.co_names:
+        if self.marker.in_function(method):
             return redundant(f"_get_embeddings already calls {SCATTER} (upstream PR #6256 or patched on disk)")
         variant = signature_variant(method)
         if variant is None:
             known = "; ".join(f"{family}: {p}" for p, (family, _) in SIGNATURES.items())
             return drifted(f"_get_embeddings{method.__code__.co_varnames[:method.__code__.co_argcount]} matches none of {known}")
         return needed(f"signature of megatron-core {variant[0]}")
-
-    def reproduce(self):
-        from ..testing.launcher import run_ranks_checked
-
-        decoder, hidden = run_ranks_checked(stock_mtp_input_lengths, 2, tp=2, fixes=[])[0]
-        return decoder != hidden, (
-            f"TP2+SP, embedding not scattering: stock MTP decoder input holds {decoder} tokens per rank, "
-            f"the hidden states {hidden}"
-        )
 
     def wrappers(self, module):
         import wrapt

@@ -13,7 +13,7 @@ import pytest
 
 from mtp_overlay.testing.releases import copy_installed, release_site, run_with_release
 
-PATCHES = Path(__file__).resolve().parents[2] / "patches" / "megatron-core" / "mtp-sp-scatter"
+PATCHES = Path(__file__).resolve().parents[3] / "patches" / "mtp-sp-scatter" / "megatron-core"
 MODULE = "megatron/core/transformer/multi_token_prediction.py"
 
 REPORT = """

@@ -15,7 +15,7 @@ from mtp_overlay.testing.releases import copy_installed, release_site
 
 FIX = "mtp-sp-scatter"
 NOT_SCATTERING = dict(sequence_parallel=True, scatter_embedding_sequence_parallel=False)
-PATCHES = Path(__file__).resolve().parents[2] / "patches" / "megatron-core" / FIX
+PATCHES = Path(__file__).resolve().parents[3] / "patches" / FIX / "megatron-core"
 
 
 def train(**model_kwargs):

@@ -15,18 +15,17 @@ The hook on ``GPTModel.forward`` and ``HybridModel.forward``:
   raising ValueError instead of failing deep inside Megatron or training on shifted positions.
 """
 
-from ..fix import Fix, Provenance, drifted, needed
+import sys
 
-CLASSES = {
-    "megatron.core.models.gpt.gpt_model": "GPTModel",
-    "megatron.core.models.hybrid.hybrid_model": "HybridModel",
-}
+from ...contract import Fix, Provenance, drifted, needed
+from ...mtp.config import FIRST_RELEASE
+
+MODEL_CLASSES = ("GPTModel", "HybridModel")  # one per target module
 REQUIRED_PARAMETERS = ("input_ids", "labels", "loss_mask", "packed_seq_params")
-MTP_MODULE = "megatron.core.transformer.multi_token_prediction"
 
 
 def _forward(module):
-    cls = getattr(module, CLASSES[module.__name__], None)
+    cls = next((vars(module)[name] for name in MODEL_CLASSES if name in vars(module)), None)
     method = None if cls is None else vars(cls).get("forward")
     return cls, getattr(method, "__wrapped__", method)
 
@@ -43,11 +42,11 @@ def derives_mtp_labels(module):
     return process is not None and "input_ids" in inspect.signature(process).parameters
 
 
-def mtp_rolls_by_cu_seqlens_q():
-    """True while megatron-core's packed MTP roll reads ``cu_seqlens_q`` and not the padded ones."""
-    import importlib
-
-    roll = getattr(importlib.import_module(MTP_MODULE), "_roll_tensor_packed_seq", None)
+def mtp_rolls_by_cu_seqlens_q(module):
+    """True while megatron-core's packed MTP roll (in the module ``module`` takes `process_mtp_loss`
+    from) reads ``cu_seqlens_q`` and not the padded ones."""
+    mtp_module = sys.modules.get(getattr(getattr(module, "process_mtp_loss", None), "__module__", None))
+    roll = getattr(mtp_module, "_roll_tensor_packed_seq", None)
     names = getattr(getattr(roll, "__code__", None), "co_names", ())
     return "cu_seqlens_q" in names and "cu_seqlens_q_padded" not in names
 
@@ -56,7 +55,6 @@ class LossMaskFix(Fix):
     name = "mtp-loss-mask"
     summary = "Route the RL MTP loss mask to GPTModel/HybridModel and check it has the tokens' layout."
     distribution = "megatron-core"
-    targets = tuple(CLASSES)
     provenance = Provenance(origin="NeMo-RL PR #3494 (MTP loss mask layout); NeMo-RL issue #2869")
 
     def probe(self, module):
@@ -64,7 +62,7 @@ class LossMaskFix(Fix):
 
         cls, forward = _forward(module)
         if cls is None:
-            return drifted(f"{module.__name__} has no {CLASSES[module.__name__]}")
+            return drifted(f"{module.__name__} has none of {', '.join(MODEL_CLASSES)}")
         if forward is None:
             return drifted(f"{cls.__name__} defines no forward")
         parameters = inspect.signature(forward).parameters
@@ -74,26 +72,27 @@ class LossMaskFix(Fix):
         if parameters["loss_mask"].kind is not inspect.Parameter.KEYWORD_ONLY:
             return drifted(f"{cls.__name__}.forward takes loss_mask positionally (keyword-only expected)")
         if not derives_mtp_labels(module):
+            since = FIRST_RELEASE["mtp_labels_from_input_ids"]
             # Not redundant (nothing upstream masks the RL MTP loss) and nothing for the hook to
             # route: without labels this release trains no MTP loss at all. Drifted is the state
             # that stays loud (warning, OverlayError when strict) so MTP-from-RL users learn it.
             return drifted(
                 "this megatron-core cannot derive MTP labels from input_ids (process_mtp_loss takes no "
-                "input_ids: Megatron-LM PR #3457, 0.19.0): with labels=None no MTP loss is trained at all, "
-                "so there is no RL MTP loss to mask; pass labels or upgrade to megatron-core >= 0.19"
+                f"input_ids: Megatron-LM PR #3457, {since}): with labels=None no MTP loss is trained at all, "
+                f"so there is no RL MTP loss to mask; pass labels or upgrade to megatron-core >= {since}"
             )
         return needed("MTP labels are derived from input_ids when labels is None (PR #3457)")
 
     def wrappers(self, module):
         import inspect
 
-        from .. import mtp
+        from ... import mtp
 
         cls, forward = _forward(module)
         positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
         parameters = list(inspect.signature(forward).parameters.values())[1:]  # self is bound by wrapt
         positions = {p.name: i for i, p in enumerate(parameters) if p.kind in positional}
-        check_boundaries = mtp_rolls_by_cu_seqlens_q()
+        check_boundaries = mtp_rolls_by_cu_seqlens_q(module)
 
         def argument(name, args, kwargs):
             if name in kwargs:
@@ -123,31 +122,6 @@ class LossMaskFix(Fix):
             return wrapped(*args, **kwargs)
 
         yield cls, "forward", forward_with_loss_mask
-
-    def reproduce(self):
-        from ..testing.launcher import run_ranks_checked
-
-        trained, allowed = run_ranks_checked(scoped_mask_mtp_positions, 1, fixes=[])[0]
-        return trained != allowed, (
-            f"stock RL forward (labels=None): the MTP head trained on {trained:.0f} positions, "
-            f"the response mask of kept samples allows {allowed:.0f}"
-        )
-
-
-def scoped_mask_mtp_positions():
-    """Rank worker: MTP positions megatron-core trains in an RL forward (labels=None, no loss_mask
-    passed) while the trainer scopes a response-only mask, and the positions that mask allows."""
-    import torch
-
-    from ..mtp import build_mtp_loss_mask, loss_mask_scope
-    from ..testing.tiny_gpt import build_tiny_gpt, make_batch, train_step
-
-    model, batch = build_tiny_gpt(), make_batch(batch_size=2, seq_length=32)
-    token_mask = (torch.arange(32) >= 8).float().expand(2, 32)  # 8 prompt tokens per row
-    mask = build_mtp_loss_mask(token_mask, torch.tensor([1.0, 0.0]), model)  # second sample filtered out
-    with loss_mask_scope(mask):
-        step = train_step(model, batch, labels=None, loss_mask=None)  # the trainer passes no mask
-    return step.mtp_tokens[0], float(mask[:, 2:].sum())  # depth 1 weights position i by mask[i+2]
 
 
 def _cp_size_rank(model):

@@ -22,11 +22,12 @@ own worker setup hook chained rather than replaced.
 import os
 import sys
 
-from ..fix import Fix, Provenance, State, drifted, needed, redundant
+from _thread import RLock
 
-TARGET = "ray"
+from ...contract import Fix, Provenance, State, drifted, needed, redundant
+
 PACKAGE = "transformers_modules"
-SETUP_HOOK = "mtp_overlay.fixes.modules_cache.worker_process_setup"
+SETUP_HOOK = f"{__name__}.worker_process_setup"
 # Ray's names: ray._private.runtime_env.constants.RAY_JOB_CONFIG_JSON_ENV_VAR (set in a `ray job submit`
 # entrypoint) and ray._private.ray_constants.WORKER_PROCESS_SETUP_HOOK_ENV_VAR (an exported setup hook)
 JOB_CONFIG_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"
@@ -197,7 +198,6 @@ class ModulesCacheFix(Fix):
     name = "hf-modules-cache"
     summary = "Ray workers import transformers' trust_remote_code classes (HF_MODULES_CACHE on their path)."
     distribution = "ray"
-    targets = (TARGET,)
     provenance = Provenance(origin="NeMo-RL (Ray actors receiving trust_remote_code configs and tokenizers)")
 
     def probe(self, module):
@@ -219,12 +219,6 @@ class ModulesCacheFix(Fix):
     def wrappers(self, module):
         yield module, "init", self._init_with_modules_cache
 
-    def reproduce(self):
-        from ..testing.remote_code import ray_round_trip
-
-        result = ray_round_trip(overlay=False)
-        return f"No module named '{PACKAGE}'" in result, f"stock Ray actor given a remote-code config: {result}"
-
     def _init_with_modules_cache(self, wrapped, instance, args, kwargs):
         runtime_env = user_runtime_env(kwargs)
         folder = modules_folder()
@@ -244,11 +238,12 @@ class ModulesCacheFix(Fix):
         where a parent already put it, so no generation adds it twice. `uninstall()` leaves both as
         they are, as it would after a remote-code load.
         """
-        with self._lock:
+        target = self.lifecycle.targets[0]
+        with _PATH_LOCK:
             reason = unsafe_reason(folder)
             if reason is not None:
-                self.record(TARGET, State.FAILED, f"refused {folder}: {reason}")
-                self.report(f"refused to put {folder} on the import path: {reason}")
+                self.lifecycle.record(target, State.FAILED, f"refused {folder}: {reason}")
+                self.lifecycle.report(f"refused to put {folder} on the import path: {reason}")
                 return False
             _ensure_directory(folder)
             if not _on_path(folder, sys.path):
@@ -256,11 +251,12 @@ class ModulesCacheFix(Fix):
             pythonpath = os.environ.get("PYTHONPATH", "")
             if not _on_path(folder, pythonpath.split(os.pathsep)):
                 os.environ["PYTHONPATH"] = pythonpath + os.pathsep + folder if pythonpath else folder
-            self.record(TARGET, State.INSTALLED, f"{folder} on the import path of this process and its Ray workers")
+            self.lifecycle.record(target, State.INSTALLED, f"{folder} on the import path of this process and its Ray workers")
             return True
 
 
 FIX = ModulesCacheFix()
+_PATH_LOCK = RLock()
 
 
 def worker_process_setup():

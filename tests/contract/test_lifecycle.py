@@ -1,4 +1,4 @@
-"""The guarantees of the Fix lifecycle (issue #2), on a throwaway target module.
+"""The guarantees of the fix lifecycle, on a throwaway target module.
 
 The machinery is exercised on a small module written to tmp_path so each guarantee is cheap to
 check many times; the fixes themselves are proven against installed upstream code elsewhere.
@@ -18,7 +18,8 @@ import wrapt.importer
 
 import mtp_overlay
 from mtp_overlay import OverlayError, OverlayWarning, State, hooks, registry
-from mtp_overlay.fix import Fix, Provenance, drifted, needed
+from mtp_overlay.contract import Fix, Provenance, drifted, needed
+from mtp_overlay.lifecycle import Lifecycle
 from mtp_overlay.testing import HEAVY_IMPORTS
 
 TARGET_SOURCE = """
@@ -34,15 +35,12 @@ class Target:
 class DoublingFix(Fix):
     """Doubles `Target.compute`; its probe can be told to fail or to report drift."""
 
-    name = "test-doubling"
     summary = "test fix"
     distribution = "pytest"
     provenance = Provenance("tests")
 
-    def __init__(self, target, behaviour="needed"):
-        super().__init__()
-        self.targets = (target,)
-        self.behaviour = behaviour
+    def __init__(self, *targets, behaviour="needed", name="test-doubling"):
+        self.name, self.target_names, self.behaviour = name, targets, behaviour
 
     def probe(self, module):
         if self.behaviour == "raise":
@@ -78,7 +76,8 @@ def register(monkeypatch):
 
     def add(fix):
         added.append(fix)
-        monkeypatch.setattr(registry, "FIXES", registry.FIXES + [fix])
+        monkeypatch.setattr(registry, "FIXES", registry.FIXES + [(fix.name, fix.target_names)])
+        monkeypatch.setitem(registry._lifecycles, fix.name, Lifecycle(fix.name, fix.target_names, fix))
         return fix
 
     yield add
@@ -131,8 +130,7 @@ def test_strict_mode_raises_on_hook_failure_and_drift(target, register):
     with pytest.raises(OverlayError, match="probe exploded"):
         importlib.import_module(fix.targets[0])
 
-    drifting = register(DoublingFix(target(), behaviour="drift"))
-    drifting.name = "test-drifting"
+    drifting = register(DoublingFix(target(), behaviour="drift", name="test-drifting"))
     registry.install(only=[drifting.name], strict=True)
     with pytest.raises(OverlayError, match="Target.compute is gone"):
         importlib.import_module(drifting.targets[0])
@@ -162,7 +160,7 @@ def test_install_twice_never_stacks_and_uninstall_restores_identity(target, regi
     fix = register(DoublingFix(name))
     registry.install(only=[fix.name])
     registry.install(only=[fix.name])
-    fix.install(module)
+    registry.lifecycle(fix.name).install(module)
     assert module.Target().compute(1) == 4  # doubled once, not four times
     assert wrappers_around(raw(module)) == 1
     registry.uninstall(only=[fix.name])
@@ -208,8 +206,8 @@ def test_thousand_install_uninstall_cycles_leave_no_residue(target, register):
     pending_name, loaded_name = target(), target()
     loaded = importlib.import_module(loaded_name)
     original = raw(loaded)
-    pending_fix, loaded_fix = register(DoublingFix(pending_name)), register(DoublingFix(loaded_name))
-    loaded_fix.name = "test-loaded"
+    pending_fix = register(DoublingFix(pending_name))
+    loaded_fix = register(DoublingFix(loaded_name, name="test-loaded"))
     meta_path = list(sys.meta_path)
     registry.install(only=[pending_fix.name])  # arms the hook machinery once
     wrapt_hooks = {k: len(v) for k, v in wrapt.importer._post_import_hooks.items()}
@@ -217,7 +215,7 @@ def test_thousand_install_uninstall_cycles_leave_no_residue(target, register):
         registry.install(only=[pending_fix.name, loaded_fix.name])
         registry.uninstall(only=[pending_fix.name, loaded_fix.name])
     assert raw(loaded) is original
-    assert loaded_fix.wrapped() == [] and pending_fix.wrapped() == []
+    assert registry.lifecycle(loaded_fix.name).wrapped() == registry.lifecycle(pending_fix.name).wrapped() == []
     assert pending_name not in hooks.waiting()
     assert len(sys.meta_path) <= len(meta_path) + 1  # at most the one lazy trigger or wrapt finder
     assert {k: len(v) for k, v in wrapt.importer._post_import_hooks.items()} == wrapt_hooks
@@ -293,8 +291,8 @@ def test_status_cli_json_has_a_row_per_fix():
     )
     assert out.returncode == 0, out.stderr
     rows = json.loads(out.stdout)
-    assert [row["name"] for row in rows] == [fix.name for fix in mtp_overlay.FIXES]
-    assert all(row["state"] in vars(State).values() for row in rows)
+    assert [row["name"] for row in rows] == registry.names()
+    assert all(row["state"] in State.RUNTIME for row in rows)
 
 
 def test_unknown_fix_name_is_refused():
@@ -320,8 +318,7 @@ def test_a_failing_target_takes_off_only_its_own_wrappers(target, register):
                 raise RuntimeError("second target exploded")
             return needed()
 
-    fix = register(TwoTargets(good))
-    fix.targets = (good, bad)
+    fix = register(TwoTargets(good, bad))
     registry.install(only=[fix.name])
     first = importlib.import_module(good)
     with pytest.warns(OverlayWarning, match="second target exploded"):

@@ -21,9 +21,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import mtp_overlay
-from mtp_overlay.fixes.device_broadcast import FIX, to_device_stream
+from mtp_overlay.fixes.device_normalized_broadcast import FIX, to_device_stream
+from mtp_overlay.lifecycle import Lifecycle
 from mtp_overlay.testing.launcher import _free_port
 from mtp_overlay.testing.releases import release_site, run_with_release
+from mtp_overlay.testing.reproducers import reproduce
 from mtp_overlay.testing.streams import RecordingCommunicator, host_streams
 from vllm.distributed.weight_transfer import base, nccl_engine, packed_tensor
 
@@ -136,7 +138,7 @@ def test_all_host_chunk_reaches_the_collective_on_the_communicator_device(overla
 
 def test_tensors_already_on_the_device_are_not_copied(overlay):
     overlay(True)
-    assert (packed_tensor, PRODUCER) in FIX.wrapped()  # the hooked producer runs below, not the stock one
+    assert (packed_tensor, PRODUCER) in FIX.lifecycle.wrapped()  # the hooked producer runs below, not the stock one
     assert vars(packed_tensor)[PRODUCER].__wrapped__ is not vars(packed_tensor)[PRODUCER]
     stream = refit_tensors()
     pointers = [t.untyped_storage().data_ptr() for _, t in stream]
@@ -399,7 +401,7 @@ def test_probe_finds_stock_vllm_needs_the_fix():
         assert verdict.state == "needed" and "refuses a host+meta stream" in verdict.reason
     row = mtp_overlay.status(only=[NAME])[0]
     assert (row.state, row.distribution, row.version) == ("installed", "vllm", "0.33.0")
-    shows, evidence = FIX.reproduce()
+    shows, evidence = reproduce(NAME)
     assert shows and "is not on the expected device" in evidence
 
 
@@ -442,7 +444,8 @@ def test_probe_reports_drift_naming_what_differs(module, old, new, reason):
 def test_older_producer_name_is_hooked_too():
     older = edited(packed_tensor, f"def {PRODUCER}(", "def packed_broadcast_producer(")
     assert FIX.probe(older).state == "needed"
-    fix = type(FIX)()  # its own bookkeeping: the registry's instance keeps hooking the real vLLM
+    # its own bookkeeping: the registry's lifecycle keeps hooking the real vLLM
+    fix = Lifecycle(NAME, FIX.targets, type(FIX)())
     fix.install(older)
     try:
         assert [attribute for _, attribute in fix.wrapped()] == ["packed_broadcast_producer"]
@@ -477,7 +480,7 @@ def test_late_install_applies_and_uninstall_restores_every_binding_by_identity(o
     mtp_overlay.install(only=[NAME])  # vLLM's modules are imported already: a late install
     row = mtp_overlay.status(only=[NAME])[0]
     assert (row.state, row.late) == ("installed", True)
-    assert sorted(map(repr, FIX.wrapped())) == sorted(map(repr, BINDINGS))
+    assert sorted(map(repr, FIX.lifecycle.wrapped())) == sorted(map(repr, BINDINGS))
     assert [vars(owner)[attribute].__wrapped__ for owner, attribute in BINDINGS] == originals
     with host_streams():
         chunks, _ = run_producer(placed(refit_tensors(), "meta"), RecordingCommunicator("meta"))
@@ -533,7 +536,7 @@ warnings.simplefilter("ignore")
 import torch
 import mtp_overlay
 from vllm.distributed.weight_transfer import nccl_engine
-from mtp_overlay.fixes.device_broadcast import FIX
+from mtp_overlay.fixes.device_normalized_broadcast import FIX
 from mtp_overlay.testing.streams import HostStream, RecordingCommunicator
 
 NAME = "device-normalized-broadcast"

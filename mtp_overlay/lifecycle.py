@@ -1,0 +1,145 @@
+"""One fix's life in this process: probe-then-wrap on its targets' import, never stacking wrappers,
+restoring the originals by identity, and saying so when it does not apply.
+
+The bookkeeping every fix shares, kept apart from the fixes (`mtp_overlay.contract.Fix` declares,
+this runs). A hook error never breaks the upstream import: it records the state and warns, unless
+strict mode asks to raise.
+"""
+
+import importlib
+import warnings
+from _thread import RLock
+
+from .contract import OverlayError, OverlayWarning, State, Verdict
+
+
+def judge(fix, module):
+    """``fix``'s probe on ``module``: its Verdict, or a FAILED one naming what the probe raised.
+
+    The one code path from which both the runtime hook and `check()` take their answer.
+    """
+    try:
+        return fix.probe(module)
+    except Exception as exc:
+        return Verdict(State.FAILED, f"probe raised {type(exc).__name__}: {exc}")
+
+
+class Lifecycle:
+    """The state of fix ``name`` (targets ``targets``) in this process; its Fix is loaded on first use."""
+
+    def __init__(self, name, targets, fix=None):
+        self.name, self.targets = name, tuple(targets)
+        self._fix = None
+        if fix is not None:
+            self._adopt(fix)
+        self._lock = RLock()
+        self._originals = {}  # (owner, attribute) -> (object found in owner.__dict__, our wrapper)
+        self._target_states = {}  # module name -> (state, reason)
+        self.disabled_reason = None
+        self.late = False
+        self.strict = False
+
+    @property
+    def fix(self):
+        """The Fix declaration, imported from ``mtp_overlay.fixes.<fix id>`` the first time."""
+        if self._fix is None:
+            self._adopt(importlib.import_module("mtp_overlay.fixes." + self.name.replace("-", "_")).FIX)
+        return self._fix
+
+    def _adopt(self, fix):
+        fix._lifecycle = self  # a fix whose work goes beyond wrappers records and reports through it
+        self._fix = fix
+
+    def on_import(self, module):
+        """Post-import hook body: never breaks the upstream import unless strict."""
+        with self._lock:
+            before = set(self._originals)
+            try:
+                verdict = judge(self.fix, module)
+                if verdict.state == State.NEEDED:
+                    self.install(module)
+                    self.record(module.__name__, State.INSTALLED, verdict.reason)
+                    return
+                self.record(module.__name__, verdict.state, verdict.reason)
+                if verdict.state != State.REDUNDANT:
+                    self.report(f"{module.__name__}: {verdict.reason}")
+            except OverlayError:
+                raise
+            except Exception as exc:
+                self.uninstall_wrappers(set(self._originals) - before)  # this target's, not the others'
+                self.record(module.__name__, State.FAILED, f"{type(exc).__name__}: {exc}")
+                self.report(f"hook on {module.__name__} raised {type(exc).__name__}: {exc}", exc)
+
+    def install(self, module):
+        """Put the fix's wrappers on ``module``; a second call never stacks them.
+
+        An alias bound to one of our own wrappers (``from target import f`` run after ``target`` was
+        hooked) gets the original back first, then its own wrapper: never a wrapper around ours, and
+        uninstall leaves no wrapper behind in the alias.
+        """
+        import wrapt
+
+        for owner, attribute, wrapper in self.fix.wrappers(module):
+            key = (owner, attribute)
+            if key in self._originals:
+                continue
+            original = vars(owner)[attribute]
+            for known, ours in self._originals.values():
+                if original is ours:
+                    original = known
+                    setattr(owner, attribute, original)
+                    break
+            self._originals[key] = (original, wrapt.wrap_function_wrapper(owner, attribute, wrapper))
+
+    def uninstall_wrappers(self, keys=None):
+        """Put back the original objects (all, or those of ``keys``), by identity, unless someone
+        wrapped ours since (then ours stays inside theirs: removing it would drop theirs; warned)."""
+        with self._lock:
+            for key in list(self._originals if keys is None else keys):
+                owner, attribute = key
+                original, ours = self._originals.pop(key)
+                if vars(owner).get(attribute) is ours:
+                    setattr(owner, attribute, original)
+                else:
+                    where = f"{getattr(owner, '__qualname__', getattr(owner, '__name__', owner))}.{attribute}"
+                    warnings.warn(OverlayWarning(
+                        f"mtp-overlay fix {self.name!r}: {where} was wrapped again after the overlay; "
+                        "left in place (uninstall the outer wrapper first)"), stacklevel=3)
+
+    def disable(self, reason):
+        """Take the wrappers off and forget every target's state; ``reason`` is what status says."""
+        self.uninstall_wrappers()
+        self._target_states.clear()
+        self.late = False
+        self.disabled_reason = reason
+
+    def wrapped(self):
+        """The (owner, attribute) pairs this fix currently wraps."""
+        return list(self._originals)
+
+    def handled(self, target):
+        """Whether the import of ``target`` has already been probed (and the fix put in, if needed)."""
+        return target in self._target_states
+
+    def state(self):
+        """(state, reason) aggregated over the targets imported so far."""
+        if self.disabled_reason is not None:
+            return State.DISABLED, self.disabled_reason
+        states = self._target_states
+        for state in State.RUNTIME_PRIORITY:
+            reasons = [f"{name}: {r}" if r else name for name, (s, r) in states.items() if s == state]
+            if reasons:
+                return state, "; ".join(reasons)
+        return State.PENDING, "waiting for import of " + ", ".join(self.targets)
+
+    def record(self, module_name, state, reason):
+        """Set the state of target ``module_name`` (what `status()` reports)."""
+        with self._lock:
+            self._target_states[module_name] = (state, reason)
+
+    def report(self, message, cause=None):
+        """Say the fix did not apply as asked: OverlayWarning, or OverlayError in strict mode."""
+        text = f"mtp-overlay fix {self.name!r} not applied: {message}"
+        if self.strict:
+            raise OverlayError(text) from cause
+        warnings.warn(OverlayWarning(text), stacklevel=3)

@@ -1,0 +1,41 @@
+"""Apply a patch to bytes in memory with ``git apply``, on a scratch copy outside any repository,
+so no .orig/.rej file ever lands in site-packages and an enclosing repository is never mistaken
+for the tree."""
+
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+
+
+class PatchError(RuntimeError):
+    """A patch could not be applied or reverted; every file was left (or put back) as it was."""
+
+
+def git_apply(patch, current, reverse=False):
+    """``(files, "")``: what ``patch`` makes of ``current`` ({relative path: bytes or None}), or
+    ``(None, git's error)`` when it does not apply."""
+    with tempfile.TemporaryDirectory(prefix="mtp-overlay-patch-") as scratch:
+        tree = Path(scratch, "tree")
+        tree.mkdir()
+        for file, data in current.items():
+            if data is not None:
+                (tree / file).parent.mkdir(parents=True, exist_ok=True)
+                (tree / file).write_bytes(data)
+        command = ["git", "apply", "--whitespace=nowarn", *(["--reverse"] if reverse else []), str(Path(patch).resolve())]
+        env = {key: value for key, value in os.environ.items() if not key.startswith("GIT_")}
+        env["GIT_CEILING_DIRECTORIES"] = scratch
+        try:
+            result = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True)
+        except FileNotFoundError:
+            raise PatchError("git not found on PATH: `mtp-overlay patch` applies patches with `git apply`") from None
+        if result.returncode != 0:
+            return None, result.stderr.strip()
+        return {file: _read(tree / file) for file in current}, ""
+
+
+def _read(path):
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        return None

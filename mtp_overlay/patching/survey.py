@@ -1,0 +1,173 @@
+"""What a fix's source patch finds on disk, decided by hashes, never by "it applies".
+
+Lessons from patch-package and quilt: the patch is picked by the release's family (the fix's
+declaration), the files by their measured sha256 (the manifest), "already applied" means the
+patched hash (or, for a file edited since, a reverse patch that applies), "redundant" means the
+fix's marker is in the pre-image, and a file matching nothing is a mismatch that nothing writes to.
+"""
+
+import hashlib
+
+from ..contract import State
+from .gitapply import PatchError, git_apply
+from .locate import find_distribution
+from .manifest import ManifestError, state_key, touched_files
+
+
+def sha256(data):
+    return None if data is None else hashlib.sha256(data).hexdigest()
+
+
+class Report:
+    """One fix in one environment: state on disk (after the command), what was done, and why.
+
+    ``current``: the touched files' bytes on disk; ``carries``: per file, the fix ids its hash
+    says it carries, with ``states`` the manifest's map that hash was found in (None: unknown bytes).
+    """
+
+    __slots__ = ("fix", "installed", "patch", "state", "action", "reason", "files", "current", "carries", "states")
+
+    def __init__(self, fix, installed):
+        self.fix, self.installed = fix, installed
+        self.patch = self.state = self.action = self.reason = None
+        self.files, self.current, self.carries, self.states = [], {}, {}, {}
+
+    def set(self, state, reason):
+        self.state, self.reason = state, reason
+        return self
+
+    def as_dict(self):
+        installed = self.installed
+        return {
+            "fix": self.fix.name,
+            "distribution": self.fix.distribution,
+            "version": installed.version if installed else None,
+            "site_packages": str(installed.root) if installed else None,
+            "variant": self.patch.name if self.patch else None,
+            "state": self.state,
+            "action": self.action,
+            "reason": self.reason,
+            "files": self.files,
+        }
+
+
+def survey(fix, manifest, dirs=None, verify=True):
+    """The on-disk state of ``fix`` (a Fix declaration) in ``dirs`` (default: sys.path); nothing written.
+
+    ``verify``: prove a `State.NEEDED` patch applies cleanly (runs ``git apply`` on a scratch copy).
+    """
+    installed = find_distribution(fix.distribution, dirs)
+    report = Report(fix, installed)
+    if installed is None:
+        where = ", ".join(map(str, dirs)) if dirs is not None else "sys.path"
+        return report.set(State.ABSENT, f"{fix.distribution} is not installed in {where}")
+    name = f"{fix.distribution} {installed.version}"
+    family = fix.family_of(installed.version)
+    if family is None:
+        ranges = "; ".join(f"{family} fits {versions}" for family, versions in fix.families.items())
+        if marker_on_disk(fix, installed.root):
+            return report.set(State.REDUNDANT, f"{name} fits no release family ({ranges}) and {fix.marker}: already upstream")
+        return report.set(State.MISMATCH, f"{name} fits no release family ({ranges})")
+    report.patch = manifest.patch_path(fix, family)
+    report.current = {file: _read(installed.root / file) for file in touched_files(report.patch)}
+    for file, data in report.current.items():
+        found, candidates = sha256(data), manifest.file_states(fix, installed.version, file)
+        for states in candidates:
+            carries = next((applied for applied, digest in states.items() if digest == found), None)
+            if carries is not None:
+                report.carries[file], report.states[file] = carries, states
+                break
+        released = sorted({states[frozenset()] for states in candidates if frozenset() in states})
+        report.files.append({"path": file, "found": found, "released": released,
+                             "carries": sorted(report.carries.get(file, ()))})
+    known = [fix.name in report.carries[file] for file in report.current if file in report.carries]
+    if len(known) == len(report.current):
+        if all(known):
+            return report.set(State.APPLIED, f"{report.patch.name}: every file matches its patched sha256")
+        if not any(known):
+            if verify:
+                try:
+                    transform(report, report.current, report.carries, reverse=False)
+                except PatchError as exc:
+                    return report.set(State.MISMATCH, str(exc))
+            return report.set(State.NEEDED, f"{report.patch.name} fits {name}: pre-image sha256 matches, applies cleanly")
+    if git_apply(report.patch, report.current, reverse=True)[0] is not None:
+        return report.set(State.APPLIED, f"{report.patch.name}: the reverse patch applies (files differ from the manifest)")
+    if marker_on_disk(fix, installed.root):
+        return report.set(State.REDUNDANT, f"{name}: {fix.marker}: the behaviour is already in the pre-image")
+    return report.set(State.MISMATCH, _mismatch(report))
+
+
+def transform(report, current, carries, reverse):
+    """The bytes ``report``'s patch makes of ``current`` (files carrying ``carries``), or takes out
+    of them when ``reverse``, each checked against the manifest: ``(files, carries after)``."""
+    fix = report.fix
+    if any(file not in carries for file in current):
+        raise PatchError(
+            f"{fix.name}: cannot {'revert' if reverse else 'apply'} byte-exactly: "
+            f"{report.patch.name}'s files do not match the manifest's sha256"
+        )
+    files, error = git_apply(report.patch, current, reverse)
+    verb = "git apply --reverse" if reverse else "git apply"
+    if files is None:
+        raise PatchError(f"{fix.name}: {verb} {report.patch} failed: {error}")
+    after = {}
+    for file, data in files.items():
+        after[file] = carries[file] - {fix.name} if reverse else carries[file] | {fix.name}
+        want = report.states[file].get(after[file])
+        if want is None:
+            raise ManifestError(
+                f"{fix.name}: the manifest has no sha256 for {file} carrying {state_key(after[file])!r}: "
+                "run scripts/measure_patches.py"
+            )
+        if sha256(data) != want:
+            raise PatchError(f"{fix.name}: {verb} made {file} with sha256 {sha256(data)}, the manifest says {want}")
+    return files, after
+
+
+def marker_on_disk(fix, root):
+    """Whether the file of ``fix.marker`` under ``root`` carries the marker (read, not run)."""
+    if fix.marker is None:
+        return False
+    path = root / fix.marker.file
+    data = _read(path)
+    return data is not None and fix.marker.in_source(data, str(path))
+
+
+def patched_on_disk(fix, manifest=None):
+    """Whether the installed files of ``fix`` carry its patch (hashes only, nothing run).
+
+    None when the distribution is not importable, or no patch of ``fix`` fits it or is shipped.
+    """
+    from .manifest import load
+
+    if not fix.families:
+        return None
+    try:
+        state = survey(fix, manifest or load(), verify=False).state
+    except ManifestError:  # an install without patches/: `mtp-overlay patch` reports it, status goes on
+        return None
+    return {State.APPLIED: True, State.NEEDED: False}.get(state)
+
+
+def _mismatch(report):
+    lines = []
+    name = f"{report.fix.distribution} {report.installed.version}"
+    for entry in report.files:
+        where = report.installed.root / entry["path"]
+        if entry["path"] in report.carries:
+            kind = "patched" if report.fix.name in entry["carries"] else "unpatched"
+            lines.append(f"{where} is {kind} while other files are not (half-applied)")
+        else:
+            lines.append(
+                f"{where}: expected sha256 {' or '.join(entry['released']) or '(none measured)'} ({name} as "
+                f"released, or with other fixes' patches), found {entry['found'] or 'no file'}"
+            )
+    return f"{report.patch.name}: " + "; ".join(lines)
+
+
+def _read(path):
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        return None

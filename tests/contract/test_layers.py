@@ -1,0 +1,87 @@
+"""One-way layers: the product never imports its test bed, and ``import mtp_overlay`` loads only the
+registry's table and the import trigger.
+
+Product: every module of ``mtp_overlay`` but ``mtp_overlay.testing`` (the test bed, which imports
+the product) and ``mtp_overlay.upstream_tests`` (tests shipped with the package). The one allowed
+way from product to test bed is the CLI's ``demo`` command, importing it inside that command.
+"""
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import mtp_overlay
+
+PACKAGE = Path(mtp_overlay.__file__).parent
+TEST_CODE = ("testing", "upstream_tests")
+ALLOWED = {("cli.py", "_demo")}  # (module file, function) that may import the test bed
+
+
+def product_modules():
+    for path in sorted(PACKAGE.rglob("*.py")):
+        relative = path.relative_to(PACKAGE)
+        if relative.parts[0] not in TEST_CODE:
+            yield relative, path
+
+
+def module_name(relative):
+    parts = ("mtp_overlay",) + relative.with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported_names(tree, module, is_package):
+    """(imported module name, enclosing function name or None) of every import statement."""
+    package = module if is_package else module.rpartition(".")[0]
+
+    def visit(node, function):
+        for child in ast.iter_child_nodes(node):
+            inner = child.name if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) else function
+            if isinstance(child, ast.Import):
+                yield from ((alias.name, function) for alias in child.names)
+            elif isinstance(child, ast.ImportFrom):
+                base = child.module or ""
+                if child.level:
+                    anchor = package.split(".")[: len(package.split(".")) - child.level + 1]
+                    base = ".".join(anchor + ([base] if base else []))
+                yield base, function
+                yield from ((f"{base}.{alias.name}", function) for alias in child.names)
+            yield from visit(child, inner)
+
+    yield from visit(tree, None)
+
+
+def test_no_product_module_imports_the_test_bed():
+    offenders = []
+    for relative, path in product_modules():
+        module = module_name(relative)
+        tree = ast.parse(path.read_text(), str(path))
+        for name, function in imported_names(tree, module, relative.name == "__init__.py"):
+            if (name + ".").startswith("mtp_overlay.testing.") and (relative.as_posix(), function) not in ALLOWED:
+                offenders.append(f"{relative}: imports {name}" + (f" in {function}()" if function else ""))
+    assert offenders == []
+
+
+def test_the_import_graph_test_sees_a_product_import_of_the_test_bed():
+    tree = ast.parse("def reproduce():\n    from ...testing.launcher import run_ranks\n")
+    names = list(imported_names(tree, "mtp_overlay.fixes.some_fix", is_package=True))
+    assert ("mtp_overlay.testing.launcher", "reproduce") in names
+
+
+def test_import_loads_only_the_registry_and_the_trigger():
+    code = "import sys; before = set(sys.modules); import mtp_overlay; print(sorted(set(sys.modules) - before))"
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert eval(loaded) == ["mtp_overlay", "mtp_overlay.hooks", "mtp_overlay.registry"]
+
+
+def test_every_product_module_imports_without_the_test_bed():
+    modules = [module_name(relative) for relative, _ in product_modules()]
+    code = (
+        "import importlib, sys\n"
+        f"for name in {modules!r}:\n"
+        "    importlib.import_module(name)\n"
+        "print(sorted(m for m in sys.modules if m.startswith('mtp_overlay.testing')))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "[]"
