@@ -24,6 +24,7 @@ import dataclasses
 import torch
 
 FLAVOURS = ("padded", "unpadded")
+ROW_TENSORS = ("input_ids", "labels", "position_ids", "loss_mask")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,10 +168,7 @@ def cp_local(row_or_tensor, boundaries=None):
     size, rank = parallel_state.get_context_parallel_world_size(), parallel_state.get_context_parallel_rank()
     if isinstance(row_or_tensor, PackedRow):
         row = row_or_tensor
-        return {
-            key: cp_shard(getattr(row, key), size, rank, row.cu_seqlens_padded)
-            for key in ("input_ids", "labels", "position_ids", "loss_mask")
-        }
+        return {key: cp_shard(getattr(row, key), size, rank, row.cu_seqlens_padded) for key in ROW_TENSORS}
     return cp_shard(row_or_tensor, size, rank, boundaries)
 
 
@@ -310,25 +308,26 @@ def _portable(value):
 
 
 def run_packed(model, row, *, labels=True, loss_mask="explicit"):
-    """One forward+backward of ``model`` on the packed ``row`` (CP-sliced here unless the model
-    slices CP itself), gradients reduced as in `_backward`.
+    """One forward+backward of ``model`` on the packed ``row``, gradients reduced as in `_backward`.
 
-    labels: pass the row's labels (SFT: the model returns per-token losses) or None (RL: it returns
-    logits, the LM loss is computed here). loss_mask: "explicit" passes the row's loss mask as
-    ``loss_mask``; "scoped" passes none and scopes it with ``mtp_overlay.mtp.loss_mask_scope``
-    (the mtp-loss-mask route); None passes none. A forward that raises gives ``PackedResult(error=...)``.
+    Tokens and mask reach the model in its layout (``mtp_overlay.mtp.shard_for_model``: the full row
+    for a model that slices CP itself, else this CP rank's share). labels: pass the row's labels
+    (SFT: the model returns per-token losses) or None (RL: it returns logits, the LM loss is
+    computed here). loss_mask: "explicit" passes the mask as ``loss_mask``; "scoped" passes none
+    and scopes it with ``mtp_overlay.mtp.loss_mask_scope`` (the mtp-loss-mask route); None passes
+    none. A forward that raises gives ``PackedResult(error=...)``.
     """
+    from megatron.core import parallel_state
+
     from .. import mtp
 
-    slices_itself = mtp.model_slices_context_parallel(model)
-    inputs = dict(vars(row)) if slices_itself else cp_local(row)
-    inputs = {key: inputs[key] for key in ("input_ids", "labels", "position_ids", "loss_mask")}
-    mask = inputs["loss_mask"]
+    size, rank = parallel_state.get_context_parallel_world_size(), parallel_state.get_context_parallel_rank()
+    inputs = {key: mtp.shard_for_model(model, getattr(row, key), size, rank, row.cu_seqlens_padded) for key in ROW_TENSORS}
     call = dict(input_ids=inputs["input_ids"], position_ids=inputs["position_ids"], attention_mask=None,
                 labels=inputs["labels"] if labels else None, packed_seq_params=row.packed_seq_params)
     if loss_mask == "explicit":
-        call["loss_mask"] = mask
-    scope = mtp.loss_mask_scope(mask) if loss_mask == "scoped" else contextlib.nullcontext()
+        call["loss_mask"] = inputs["loss_mask"]
+    scope = mtp.loss_mask_scope(inputs["loss_mask"]) if loss_mask == "scoped" else contextlib.nullcontext()
     model.zero_grad(set_to_none=True)
     try:
         with scope, record_mtp(model) as records:
