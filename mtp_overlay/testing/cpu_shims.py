@@ -77,7 +77,6 @@ def shims():
     from megatron.core.fusions import fused_softmax
     from megatron.core.models.common.embeddings import rope_utils, rotary_pos_embedding
     from megatron.core.models.common.embeddings import yarn_rotary_pos_embedding
-    from megatron.core.models.hybrid import hybrid_block
     from megatron.core.tensor_parallel import random
     from megatron.core.transformer import dot_product_attention, torch_norm, utils
 
@@ -128,13 +127,13 @@ def shims():
     def set_rng_state(new_state, *args, **kwargs):
         torch.set_rng_state(new_state)
 
-    return [
+    hybrid = [Shim(module, "TENorm", torch_norm.WrappedTorchNorm) for module in _hybrid_block()]
+    return hybrid + [
         Shim(torch.cuda, "current_device", _cpu_device),
         Shim(random, "_get_cuda_rng_state", get_rng_state),
         Shim(random, "_set_cuda_rng_state", set_rng_state),
         Shim(random.CudaRNGStatesTracker, "add", _add_cpu_rng_state),
         Shim(torch_norm.WrappedTorchNorm, "__new__", staticmethod(new_norm)),
-        Shim(hybrid_block, "TENorm", torch_norm.WrappedTorchNorm),
         Shim(utils, "get_default_causal_mask", _causal_mask),
         Shim(fused_softmax, "get_default_causal_mask", _causal_mask),
         Shim(attention, "__init__", init_attention),
@@ -143,6 +142,15 @@ def shims():
         Shim(rotary_pos_embedding, "get_pos_emb_on_this_cp_rank", _pos_emb_on_this_cp_rank),
         Shim(yarn_rotary_pos_embedding, "get_pos_emb_on_this_cp_rank", _pos_emb_on_this_cp_rank),
     ]
+
+
+def _hybrid_block():
+    """[megatron.core.models.hybrid.hybrid_block], or [] on releases without HybridModel (< 0.18)."""
+    try:
+        from megatron.core.models.hybrid import hybrid_block
+    except ImportError:
+        return []
+    return [hybrid_block]
 
 
 def _cpu_device():

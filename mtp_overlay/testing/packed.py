@@ -67,16 +67,10 @@ class PackedRow:
 
     def real_slots(self):
         """Boolean [T]: the slots holding a real token (not padding)."""
-        return self.positions_of_sequences()[1] >= 0
-
-    def positions_of_sequences(self):
-        """(sequence [T], position in it [T]); padding slots get -1 for both."""
-        T = self.input_ids.shape[1]
-        slot = torch.arange(T)
-        sequence = torch.searchsorted(self.cu_seqlens_padded.long(), slot, right=True) - 1
-        position = slot - self.cu_seqlens_padded.long()[sequence]
-        real = position < torch.tensor(self.lengths)[sequence]
-        return torch.where(real, sequence, -1), torch.where(real, position, -1)
+        padded = self.cu_seqlens_padded.long()
+        slot = torch.arange(int(padded[-1]))
+        sequence = torch.searchsorted(padded, slot, right=True) - 1
+        return slot - padded[sequence] < torch.tensor(self.lengths)[sequence]
 
 
 def random_lengths(count, low, high, seed=0):
@@ -115,16 +109,18 @@ def make_packed_row(lengths, *, pad_multiple=1, flavour="padded", prompts=None, 
     padded = packed.cu_seqlens_padded.long()
     slot = torch.arange(int(padded[-1]))
     position_ids = (slot - padded[torch.searchsorted(padded, slot, right=True) - 1])[None, :]
-    real = packed.cu_seqlens if flavour == "unpadded" else packed.cu_seqlens_padded
-    params = PackedSeqParams(
-        qkv_format="thd",
-        cu_seqlens_q=real,
-        cu_seqlens_kv=real,
-        cu_seqlens_q_padded=packed.cu_seqlens_padded,
-        cu_seqlens_kv_padded=packed.cu_seqlens_padded,
-        max_seqlen_q=packed.max_seqlen,
-        max_seqlen_kv=packed.max_seqlen,
-    )
+    if flavour == "padded":
+        params = mtp.packed_seq_params(packed)
+    else:
+        params = PackedSeqParams(
+            qkv_format="thd",
+            cu_seqlens_q=packed.cu_seqlens,
+            cu_seqlens_kv=packed.cu_seqlens,
+            cu_seqlens_q_padded=packed.cu_seqlens_padded,
+            cu_seqlens_kv_padded=packed.cu_seqlens_padded,
+            max_seqlen_q=packed.max_seqlen,
+            max_seqlen_kv=packed.max_seqlen,
+        )
     return PackedRow(
         input_ids=packed.input_ids,
         labels=labels,
@@ -179,6 +175,8 @@ def to_global(local, boundaries, dim=1):
 
     from ..mtp import cp_local_indices
 
+    if local.dtype == torch.bool:
+        return to_global(local.to(torch.int64), boundaries, dim).bool()
     size, rank = parallel_state.get_context_parallel_world_size(), parallel_state.get_context_parallel_rank()
     index = cp_local_indices(boundaries, size, rank)
     local = local.detach().movedim(dim, 0)
@@ -239,9 +237,9 @@ def record_mtp(model):
     """Observe megatron-core's MTP loss inside ``model``'s forward: one dict per MTP depth.
 
     Each: ``targets`` (the labels its cross entropy gets), ``losses`` (per-token cross entropy)
-    and ``weights`` (the per-token loss weights it back-propagates: loss_mask * loss / tokens,
-    nonzero exactly where the rolled loss mask is). Read by wrapping the model's
-    ``compute_language_model_loss`` and ``MTPLossAutoScaler.apply`` for the block.
+    and ``trained`` (bool: where the loss it back-propagates, loss_mask * loss / tokens, is nonzero,
+    i.e. where the rolled loss mask is). Read by wrapping the model's ``compute_language_model_loss``
+    and ``MTPLossAutoScaler.apply`` for the block.
     """
     from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
 
@@ -257,7 +255,7 @@ def record_mtp(model):
     def observed_apply(output, weighted):
         if pending:
             targets, losses = pending.pop()
-            records.append(dict(targets=targets, losses=losses, weights=weighted.detach().clone()))
+            records.append(dict(targets=targets, losses=losses, trained=weighted.detach() != 0))
         return apply(output, weighted)
 
     inner.compute_language_model_loss = observed_loss
@@ -275,7 +273,7 @@ class PackedResult:
 
     lm_losses: [T] per-token LM cross entropy. logits: [T, vocab] (TP-gathered) when the forward
     ran without labels, else None. mtp: per depth, dict of [T] ``targets``, ``losses`` and
-    ``weights`` (see `record_mtp`; CP-local weights rescaled to the global token count). grads:
+    ``trained`` (see `record_mtp`). grads:
     full (TP-gathered) gradient of every parameter, in parameter order; names: their names.
     sliced_loss_mask: [T], the loss mask a self-slicing model handed back, put in row order.
     error: the exception text when the forward raised (everything else None then).
@@ -370,8 +368,8 @@ def run_reference(model, row, *, labels=True):
         lm_losses[start : start + length] = output[0].detach()
         passes.append((start, length, output, batch["loss_mask"], records))
     lm_count = sum(float(mask.sum()) for *_, mask, _ in passes)
-    mtp_count = sum(float(records[0]["weights"].ne(0).sum()) for *_, records in passes if records)
-    mtp = [dict(targets=torch.zeros(T, dtype=torch.int64), losses=torch.zeros(T), weights=torch.zeros(T))
+    mtp_count = sum(float(records[0]["trained"].sum()) for *_, records in passes if records)
+    mtp = [dict(targets=torch.zeros(T, dtype=torch.int64), losses=torch.zeros(T), trained=torch.zeros(T, dtype=torch.bool))
            for _ in passes[0][4]]
     previous = MTPLossAutoScaler.main_loss_backward_scale
     try:
@@ -379,23 +377,13 @@ def run_reference(model, row, *, labels=True):
             for depth, record in zip(mtp, records):
                 for key in depth:
                     depth[key][start : start + length] = record[key][0]
-            tokens = float(records[0]["weights"].ne(0).sum()) if records else 0.0
+            tokens = float(records[0]["trained"].sum()) if records else 0.0
             MTPLossAutoScaler.set_loss_scale(torch.tensor(tokens / max(mtp_count, 1.0)))
             ((output * mask).sum() / max(lm_count, 1.0)).backward()
     finally:
         MTPLossAutoScaler.set_loss_scale(previous)
-    for depth in mtp:  # per-sequence weights divide by the sequence's own count: make it the global one
-        depth["weights"] = depth["weights"] * _per_sequence_count(depth["weights"], starts, T) / max(mtp_count, 1.0)
     names, grads = full_grads(model)
     return PackedResult(lm_losses=lm_losses, logits=logits, mtp=tuple(mtp), grads=grads, names=names)
-
-
-def _per_sequence_count(weights, starts, T):
-    counts = torch.zeros(T)
-    bounds = list(starts) + [T]
-    for start, end in zip(bounds[:-1], bounds[1:]):
-        counts[start:end] = float(weights[start:end].ne(0).sum())
-    return counts
 
 
 def _inner(model):
@@ -403,9 +391,10 @@ def _inner(model):
 
 
 def _backward(model, row, token_losses, local_mask, records, logits):
-    """Backward of sum(LM loss * mask) / global mask count, the MTP loss scaled to its global
-    token count (each CP rank's MTP loss is divided by its own count inside megatron-core), then
-    gradients summed over data+context parallel ranks and sequence-parallel ones over TP."""
+    """Backward of sum(LM loss * mask) / global mask count, the MTP loss rescaled from this CP rank's
+    token count (megatron-core divides each rank's MTP loss by its own) to the global one (depth 1's
+    count: ``MTPLossAutoScaler`` has one scale for every depth), then gradients summed over
+    data+context parallel ranks and sequence-parallel ones over TP."""
     import torch.distributed as dist
     from megatron.core import parallel_state
     from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
@@ -414,7 +403,7 @@ def _backward(model, row, token_losses, local_mask, records, logits):
 
     cp_group = parallel_state.get_context_parallel_group()
     boundaries = row.cu_seqlens_padded
-    local_mtp = torch.tensor(float(records[0]["weights"].ne(0).sum()) if records else 0.0)
+    local_mtp = torch.tensor(float(records[0]["trained"].sum()) if records else 0.0)
     counts = torch.stack([local_mask.float().sum().detach(), local_mtp])
     dist.all_reduce(counts, group=cp_group)
     previous = MTPLossAutoScaler.main_loss_backward_scale
@@ -426,9 +415,7 @@ def _backward(model, row, token_losses, local_mask, records, logits):
     _finalize_grads(_inner(model), parallel_state.get_data_parallel_group(with_context_parallel=True), 1.0)
     mtp = []
     for record in records:
-        weights = to_global(record["weights"] * local_mtp / counts[1].clamp(min=1), boundaries)[0]
-        mtp.append(dict(targets=to_global(record["targets"], boundaries)[0],
-                        losses=to_global(record["losses"], boundaries)[0], weights=weights))
+        mtp.append({key: to_global(value, boundaries)[0] for key, value in record.items()})
     if logits is not None:
         logits = to_global(_gather_tensor_parallel(logits, dim=-1), boundaries)[0]
     names, grads = full_grads(_inner(model))

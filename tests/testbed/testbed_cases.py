@@ -13,6 +13,7 @@ LENGTH_RANGE, SEED = (3, 15), 1
 PROMPTS = (2, 0, 3, 1)
 MODELS = ("gpt", "hybrid")
 LOSS_MASK, SP_SCATTER = "mtp-loss-mask", "mtp-sp-scatter"
+GQA = dict(num_query_groups=2)  # 4 query heads share 2 K/V heads
 
 # world size, TP, CP, sequence parallelism, and the per-sequence padding multiple NeMo-RL uses for
 # the layout (2*CP*TP under CP, TP under SP); TP1 would need none: 4 makes the two flavours differ
@@ -57,9 +58,14 @@ def plan(layout):
             for labels in (True, False):  # each sequence alone: a row without padding is the sequence space
                 cases.append(dict(name=f"reference/{model}/{'sft' if labels else 'rl'}", kind="reference",
                                   model=model, row=dict(pad_multiple=1), labels=labels))
+        cases.append(dict(name="reference/hybrid/sft/gqa", kind="reference", model="hybrid", model_kwargs=GQA,
+                          row=dict(pad_multiple=1), labels=True))
         for flavour in ("padded", "unpadded"):  # stock MTP without a loss mask (RL)
             cases.append(dict(name=packed_name("hybrid", flavour, False, None), kind="packed", model="hybrid",
                               row=dict(row, flavour=flavour), labels=False, loss_mask=None))
+    if spec["cp"] > 1:
+        cases.append(dict(name="packed/hybrid/padded/sft/gqa", kind="packed", model="hybrid",
+                          model_kwargs=dict(sp, **GQA), row=dict(row, flavour="padded"), labels=True))
     if layout == "cp2":
         cases += loss_mask_cases(row)
     if spec["sp"]:
