@@ -48,7 +48,8 @@ Usage (``fn`` must be a module-level function, its arguments and return value pi
   finalised the way Megatron's schedule does it (see its docstring): with an all-ones mask CP2
   matches TP1 in losses exactly, in MTP gradients only to ~1e-3 (Megatron's per-CP-rank MTP token
   normalisation); TP2+SP matches TP1 in everything.
-* ``cpu_shims``: the CPU stand-ins (TE's final norm of HybridStack, TE's CP and THD attention, ...), installed by ``run_ranks`` on CPU; test
+* ``cpu_shims``: the CPU stand-ins (HybridStack's TE final norm, TE's CP and THD attention, ...),
+  installed by ``run_ranks`` on CPU; test
   scaffolding only, ``cpu_shims()`` context manager or ``install()`` / ``uninstall()``.
 * ``releases``: other upstream releases side by side (``release_site``, ``copy_installed``,
   ``run_with_release``); ``streams``: CUDA-stream and communicator stand-ins for vLLM's producer;

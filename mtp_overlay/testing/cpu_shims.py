@@ -245,7 +245,9 @@ def _exact_attention(
     thd = packed_seq_params is not None
     if thd:
         if packed_seq_params.qkv_format != "thd":
-            raise NotImplementedError(f"CPU attention shim: packed qkv_format must be 'thd', got {packed_seq_params.qkv_format!r}")
+            raise NotImplementedError(
+                f"CPU attention shim: packed qkv_format must be 'thd', got {packed_seq_params.qkv_format!r}"
+            )
         boundaries = _self_attention_boundaries(packed_seq_params)
         query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)  # [t, 1, heads, dim]
     else:

@@ -258,6 +258,7 @@ def record_mtp(model):
             records.append(dict(targets=targets, losses=losses, trained=weighted.detach() != 0))
         return apply(output, weighted)
 
+    own = vars(inner).get("compute_language_model_loss")  # an instance attribute to put back, if any
     inner.compute_language_model_loss = observed_loss
     MTPLossAutoScaler.apply = staticmethod(observed_apply)
     try:
@@ -265,6 +266,8 @@ def record_mtp(model):
     finally:
         del MTPLossAutoScaler.apply
         del inner.compute_language_model_loss
+        if own is not None:
+            inner.compute_language_model_loss = own
 
 
 @dataclasses.dataclass
@@ -297,7 +300,8 @@ def _portable(value):
     if isinstance(value, torch.Tensor):
         return value.detach().cpu().numpy()
     if isinstance(value, PackedResult):
-        return dataclasses.replace(value, **{f.name: _portable(getattr(value, f.name)) for f in dataclasses.fields(value)})
+        fields = dataclasses.fields(value)
+        return dataclasses.replace(value, **{field.name: _portable(getattr(value, field.name)) for field in fields})
     if isinstance(value, dict):
         return {key: _portable(item) for key, item in value.items()}
     if isinstance(value, (tuple, list)):
@@ -320,7 +324,9 @@ def run_packed(model, row, *, labels=True, loss_mask="explicit"):
     from .. import mtp
 
     size, rank = parallel_state.get_context_parallel_world_size(), parallel_state.get_context_parallel_rank()
-    inputs = {key: mtp.shard_for_model(model, getattr(row, key), size, rank, row.cu_seqlens_padded) for key in ROW_TENSORS}
+    inputs = {
+        key: mtp.shard_for_model(model, getattr(row, key), size, rank, row.cu_seqlens_padded) for key in ROW_TENSORS
+    }
     call = dict(input_ids=inputs["input_ids"], position_ids=inputs["position_ids"], attention_mask=None,
                 labels=inputs["labels"] if labels else None, packed_seq_params=row.packed_seq_params)
     if loss_mask == "explicit":
@@ -369,8 +375,10 @@ def run_reference(model, row, *, labels=True):
         passes.append((start, length, output, batch["loss_mask"], records))
     lm_count = sum(float(mask.sum()) for *_, mask, _ in passes)
     mtp_count = sum(float(records[0]["trained"].sum()) for *_, records in passes if records)
-    mtp = [dict(targets=torch.zeros(T, dtype=torch.int64), losses=torch.zeros(T), trained=torch.zeros(T, dtype=torch.bool))
-           for _ in passes[0][4]]
+    mtp = [
+        dict(targets=torch.zeros(T, dtype=torch.int64), losses=torch.zeros(T), trained=torch.zeros(T, dtype=torch.bool))
+        for _ in passes[0][4]
+    ]
     previous = MTPLossAutoScaler.main_loss_backward_scale
     try:
         for start, length, output, mask, records in passes:

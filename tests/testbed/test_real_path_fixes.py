@@ -98,13 +98,15 @@ def test_loss_mask_scoped_around_a_model_that_slices_cp_itself(tp1, cp2):
     local, full = row.input_ids.shape[1] // 2, row.input_ids.shape[1]
     for rank in cp2:
         error = rank["loss_mask/wrapper/scoped/on"].error
-        assert error.startswith("ValueError: loss_mask has layout") and f"[1, {full}]" in error and f"[1, {local}]" in error
+        assert error.startswith(f"ValueError: loss_mask has layout [1, {full}] but input_ids has [1, {local}]")
         assert trained(rank["loss_mask/wrapper/scoped/off"]) == trained(tp1[0]["packed/hybrid/padded/rl/None"])
 
 
 def test_loss_mask_refuses_the_unpadded_flavour_today(cp2):
     """cu_seqlens_q != cu_seqlens_q_padded: stock would roll the MTP labels and mask across padding
     (see test_packed_thd); the hook refuses with a ValueError until mtp-packed-roll replaces the refusal."""
+    row = row_of("cp2", "unpadded")
     for rank in cp2:
         error = rank["loss_mask/unpadded/on"].error
-        assert error.startswith("ValueError: packed_seq_params.cu_seqlens_q") and "differs from cu_seqlens_q_padded" in error
+        assert error.startswith(f"ValueError: packed_seq_params.cu_seqlens_q {row.cu_seqlens.tolist()} differs from ")
+        assert f"cu_seqlens_q_padded {row.cu_seqlens_padded.tolist()}" in error

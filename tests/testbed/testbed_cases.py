@@ -38,7 +38,8 @@ def packed_row(pad_multiple, flavour="padded"):
 
 
 def packed_name(model, flavour, labels, loss_mask="explicit"):
-    return f"packed/{model}/{flavour}/{'sft' if labels else 'rl'}" + ("" if loss_mask == "explicit" else f"/{loss_mask}")
+    suffix = "" if loss_mask == "explicit" else f"/{loss_mask}"
+    return f"packed/{model}/{flavour}/{'sft' if labels else 'rl'}{suffix}"
 
 
 def plan(layout):
