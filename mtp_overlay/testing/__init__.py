@@ -29,6 +29,15 @@ Usage (``fn`` must be a module-level function, its arguments and return value pi
 * ``build_tiny_gpt(*, seed, sequence_parallel, scatter_embedding_sequence_parallel, mtp_num_layers,
   hidden_size=64, num_attention_heads=4, num_layers=2, vocab_size=128, max_sequence_length=64,
   **config_overrides)``: GPTModel, local spec, RoPE, identical full weights at any TP/CP.
+* ``tiny_hybrid.build_tiny_hybrid(*, seed, hybrid_layer_pattern="*-*-/*-", sequence_parallel,
+  scatter_embedding_sequence_parallel, ...)``: HybridModel from local modules (attention '*', MLP
+  '-', MTP depths after '/'); the default pattern holds build_tiny_gpt()'s parameters in order.
+* ``packed``: ``make_packed_row(lengths, *, pad_multiple, flavour="padded"|"unpadded", prompts)``
+  (NeMo-RL packing; ``PackedSeqParams`` with cu_seqlens_q padded, or real + cu_seqlens_q_padded),
+  ``cp_local`` (per-sequence 2*CP chunks), ``SelfSlicingCP`` (takes full rows, slices CP itself,
+  returns ``(output, sliced_loss_mask)``), ``run_packed`` / ``run_reference`` (a packed
+  forward+backward, or each sequence alone: per-token LM losses, logits, MTP targets/losses/weights
+  and full gradients in packed positions), ``expected_mtp`` (what MTP must train, from the text).
 * ``make_batch(*, batch_size=2, seq_length=32, vocab_size=128, seed=0)``: full-length dict of
   input_ids, labels, position_ids, loss_mask. ``cp_slice(batch_or_tensor)``: this CP rank's share
   (upstream's load-balanced layout).
@@ -39,7 +48,8 @@ Usage (``fn`` must be a module-level function, its arguments and return value pi
   finalised the way Megatron's schedule does it (see its docstring): with an all-ones mask CP2
   matches TP1 in losses exactly, in MTP gradients only to ~1e-3 (Megatron's per-CP-rank MTP token
   normalisation); TP2+SP matches TP1 in everything.
-* ``cpu_shims``: the CPU stand-ins (SPEC section 4), installed by ``run_ranks`` on CPU; test
+* ``cpu_shims``: the CPU stand-ins (HybridStack's TE final norm, TE's CP and THD attention, ...),
+  installed by ``run_ranks`` on CPU; test
   scaffolding only, ``cpu_shims()`` context manager or ``install()`` / ``uninstall()``.
 * ``releases``: other upstream releases side by side (``release_site``, ``copy_installed``,
   ``run_with_release``); ``streams``: CUDA-stream and communicator stand-ins for vLLM's producer;

@@ -12,11 +12,16 @@ What needs a shim on a CPU machine (megatron-core 0.19.x, local spec), SPEC §4:
 * ``WrappedTorchNorm`` (the local-spec norm) asserts under sequence parallelism: it is built with
   sequence parallelism off and its parameters are tagged ``sequence_parallel=True``, so their
   partial gradients are all-reduced over TP like TE's norms'.
+* ``HybridStack`` builds its final norm as ``TENorm`` whatever the layer spec
+  (``models/hybrid/hybrid_block.py``, ``self.final_norm = TENorm(...)``): it gets ``WrappedTorchNorm``.
 * The default causal mask is allocated on ``"cuda"``: it is built on the CPU.
-* Context parallelism: ``DotProductAttention`` asserts that CP needs TE, so under CP > 1 it runs an
-  exact causal attention over K/V all-gathered from the CP group (global positions of the
-  load-balanced 2*cp-chunk layout), differentiable through the gather; RoPE's CP slicing uses
-  ``pin_memory().cuda()`` and gets a CPU equivalent.
+* Context parallelism and packed (THD) sequences: ``DotProductAttention`` asserts that CP needs TE
+  (``transformer/dot_product_attention.py`` ``__init__``) and refuses ``packed_seq_params``
+  (``forward``), so under CP > 1 or with packed input it runs an exact causal attention
+  (``_exact_attention``: per-sequence causal mask from the padded boundaries, the per-sequence
+  2*cp-chunk layout, K/V all-gathered from the CP group, differentiable through the gather);
+  RoPE's CP slicing uses ``pin_memory().cuda()`` and gets a CPU equivalent. THD RoPE
+  (``rope_utils._apply_rotary_pos_emb_thd``) is plain torch and runs as it is.
 """
 
 import contextlib
@@ -108,10 +113,13 @@ def shims():
                 group = parallel_state.get_context_parallel_group()
             self.cpu_shim_cp_group = group
 
-    def forward_attention(self, query, key, value, attention_mask, *args, **kwargs):
-        if getattr(self, "cpu_shim_cp_group", None) is None:
-            return attention_forward(self, query, key, value, attention_mask, *args, **kwargs)
-        return _context_parallel_attention(self, query, key, value, attention_mask, *args, **kwargs)
+    def forward_attention(
+        self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None
+    ):
+        arguments = (query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params)
+        if getattr(self, "cpu_shim_cp_group", None) is None and packed_seq_params is None:
+            return attention_forward(self, *arguments)
+        return _exact_attention(self, *arguments)
 
     def get_rng_state(*args, **kwargs):
         return torch.get_rng_state()
@@ -119,7 +127,8 @@ def shims():
     def set_rng_state(new_state, *args, **kwargs):
         torch.set_rng_state(new_state)
 
-    return [
+    hybrid = [Shim(module, "TENorm", torch_norm.WrappedTorchNorm) for module in _hybrid_block()]
+    return hybrid + [
         Shim(torch.cuda, "current_device", _cpu_device),
         Shim(random, "_get_cuda_rng_state", get_rng_state),
         Shim(random, "_set_cuda_rng_state", set_rng_state),
@@ -133,6 +142,15 @@ def shims():
         Shim(rotary_pos_embedding, "get_pos_emb_on_this_cp_rank", _pos_emb_on_this_cp_rank),
         Shim(yarn_rotary_pos_embedding, "get_pos_emb_on_this_cp_rank", _pos_emb_on_this_cp_rank),
     ]
+
+
+def _hybrid_block():
+    """[megatron.core.models.hybrid.hybrid_block], or [] on releases without HybridModel (< 0.18)."""
+    try:
+        from megatron.core.models.hybrid import hybrid_block
+    except ImportError:
+        return []
+    return [hybrid_block]
 
 
 def _cpu_device():
@@ -171,22 +189,6 @@ def _pos_emb_on_this_cp_rank(pos_emb, seq_dim, cp_group):
     return torch.cat([chunks[rank], chunks[2 * size - 1 - rank]], dim=seq_dim)
 
 
-def load_balanced_positions(local_length, rank, size, device=None):
-    """Global sequence positions of the ``local_length`` tokens CP rank ``rank`` holds.
-
-    The load-balanced layout (megatron.core.utils.get_batch_on_this_cp_rank): the sequence is cut
-    into 2*size chunks and rank r keeps chunks r and 2*size-1-r, in that order.
-    """
-    import torch
-
-    if local_length % 2:
-        raise ValueError(f"local_length must be even (two chunks per CP rank), got {local_length}")
-    chunk = local_length // 2
-    first = torch.arange(rank * chunk, (rank + 1) * chunk, device=device)
-    second = torch.arange((2 * size - 1 - rank) * chunk, (2 * size - rank) * chunk, device=device)
-    return torch.cat([first, second])
-
-
 def _gather_sequence(tensor, group):
     """All-gather ``tensor`` along dim 0 over ``group`` (rank order), differentiably."""
     return _gather_function().apply(tensor, group)
@@ -215,44 +217,84 @@ def _gather_function():
     return GatherSequence
 
 
-def _context_parallel_attention(
+def _exact_attention(
     self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None
 ):
-    """Exact causal attention of this CP rank's queries over the whole sequence's keys/values.
+    """Exact causal attention for what the local DotProductAttention refuses: CP > 1 and packed THD.
 
-    query/key/value: [s_local, b, heads, head_dim] in the load-balanced CP layout. Only causal
-    self-attention without an explicit mask, bias or packed sequences is supported.
+    Stands in for TEDotProductAttention's CP ring and varlen (THD) kernels. Every token gets a
+    sequence id and a position in the full (CP-gathered) row: from the padded boundaries
+    ``cu_seqlens_q_padded`` (else ``cu_seqlens_q``) of packed input, or one sequence per BSHD row,
+    and under CP from the per-sequence 2*cp-chunk layout (``mtp_overlay.mtp.cp_local_indices``). A
+    query attends to the keys of its own sequence at or before its position, over K/V all-gathered
+    from the CP group (differentiably), in one masked softmax. Padding slots form the tail of their
+    sequence, so real tokens never attend to them. query/key/value: BSHD [s, b, heads, dim], THD
+    [t, heads, dim]; grouped-query attention repeats K/V heads.
     """
     import torch
     from megatron.core.transformer.enums import AttnMaskType
 
-    if attention_mask is not None or attention_bias is not None or packed_seq_params is not None:
-        raise NotImplementedError(
-            "CPU context-parallel attention shim: attention_mask, attention_bias and "
-            "packed_seq_params must be None (causal self-attention only)"
-        )
-    if (attn_mask_type or self.attn_mask_type) != AttnMaskType.causal:
-        raise NotImplementedError("CPU context-parallel attention shim supports causal attention only")
-    group = self.cpu_shim_cp_group
-    rank, size = group.rank(), group.size()
+    from ..mtp.packing import cp_local_indices
 
-    key = _gather_sequence(key, group)
-    value = _gather_sequence(value, group)
+    if attention_mask is not None or attention_bias is not None:
+        raise NotImplementedError("CPU attention shim: attention_mask and attention_bias must be None (causal only)")
+    if (attn_mask_type or self.attn_mask_type) not in (AttnMaskType.causal, AttnMaskType.padding_causal):
+        raise NotImplementedError("CPU attention shim supports causal self-attention only")
+    group = self.cpu_shim_cp_group
+    rank, size = (0, 1) if group is None else (group.rank(), group.size())
+    thd = packed_seq_params is not None
+    if thd:
+        if packed_seq_params.qkv_format != "thd":
+            raise NotImplementedError(
+                f"CPU attention shim: packed qkv_format must be 'thd', got {packed_seq_params.qkv_format!r}"
+            )
+        boundaries = _self_attention_boundaries(packed_seq_params)
+        query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)  # [t, 1, heads, dim]
+    else:
+        boundaries = torch.tensor([0, query.size(0) * size])
+    boundaries = boundaries.to(device=query.device, dtype=torch.int64)
+    if int(boundaries[-1]) != query.size(0) * size:
+        raise ValueError(
+            f"packed_seq_params: the (padded) boundaries end at {int(boundaries[-1])}, but this CP rank holds "
+            f"{query.size(0)} of {size} ranks' tokens ({query.size(0) * size} in all)"
+        )
+
+    if group is not None:
+        key, value = _gather_sequence(key, group), _gather_sequence(value, group)
     repeat = query.size(2) // key.size(2)  # grouped-query attention
     if repeat > 1:
-        key = key.repeat_interleave(repeat, dim=2)
-        value = value.repeat_interleave(repeat, dim=2)
+        key, value = key.repeat_interleave(repeat, dim=2), value.repeat_interleave(repeat, dim=2)
 
-    local = query.size(0)
-    query_positions = load_balanced_positions(local, rank, size, device=query.device)
-    key_positions = torch.cat(
-        [load_balanced_positions(local, r, size, device=query.device) for r in range(size)]
-    )
-    future = key_positions[None, :] > query_positions[:, None]  # [s_local, s]
+    query_index = cp_local_indices(boundaries, size, rank)  # positions in the full packed row
+    key_index = torch.cat([cp_local_indices(boundaries, size, r) for r in range(size)])
+    query_sequence = torch.searchsorted(boundaries, query_index, right=True)
+    key_sequence = torch.searchsorted(boundaries, key_index, right=True)
+    allowed = (key_sequence[None, :] == query_sequence[:, None]) & (key_index[None, :] <= query_index[:, None])
 
     scale = self.softmax_scale * (self.scale_mask_softmax.scale or 1.0)
     scores = torch.einsum("sbnd,tbnd->bnst", query.float(), key.float()) * scale
-    probs = scores.masked_fill(future, float("-inf")).softmax(dim=-1).to(query.dtype)
+    probs = scores.masked_fill(~allowed, float("-inf")).softmax(dim=-1).to(query.dtype)
     probs = self.attention_dropout(probs)
     context = torch.einsum("bnst,tbnd->sbnd", probs, value)
-    return context.reshape(local, query.size(1), self.hidden_size_per_partition)
+    if thd:  # TE's THD output: [t, heads * dim]
+        return context.reshape(query.size(0), self.hidden_size_per_partition)
+    return context.reshape(query.size(0), query.size(1), self.hidden_size_per_partition)
+
+
+def _self_attention_boundaries(packed_seq_params):
+    """The padded query boundaries of packed self-attention (ValueError if K/V's differ)."""
+    import torch
+
+    def pick(padded, real):
+        return padded if padded is not None else real
+
+    query = pick(packed_seq_params.cu_seqlens_q_padded, packed_seq_params.cu_seqlens_q)
+    key = pick(packed_seq_params.cu_seqlens_kv_padded, packed_seq_params.cu_seqlens_kv)
+    if query is None:
+        raise ValueError("packed_seq_params: cu_seqlens_q (or cu_seqlens_q_padded) is required for THD attention")
+    if key is not None and not torch.equal(torch.as_tensor(key).long(), torch.as_tensor(query).long()):
+        raise ValueError(
+            f"packed_seq_params: self-attention needs the same K/V and query boundaries, got "
+            f"{torch.as_tensor(query).tolist()} and {torch.as_tensor(key).tolist()}"
+        )
+    return torch.as_tensor(query)

@@ -267,7 +267,7 @@ def test_a_mask_out_of_the_tokens_layout_is_a_clear_value_error(tp1):
     # real lengths in cu_seqlens_q: megatron-core would roll the MTP labels across the padding
     assert errors["packed_te_boundaries"].startswith("ValueError: packed_seq_params.cu_seqlens_q [0, 28, 60, 80, 110]")
     for key in ("packed_shifted", "packed_te_boundaries"):
-        assert not errors[f"{key}_fix_off"].startswith("ValueError")  # stock: CPU attention refuses THD
+        assert errors[f"{key}_fix_off"] is None  # stock runs the packed forward and trains the shifted positions
 
 
 @pytest.mark.slow
