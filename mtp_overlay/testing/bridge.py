@@ -22,9 +22,10 @@ neither, so for ``nemotron_h`` the provider is re-declared as ``HybridModelProvi
 a subclass that adds the field the way the VL provider does and passes it to ``HybridModel`` the way
 LLaVAModel does, running Bridge's own ``HybridModelProvider.provide()`` for everything else.
 
-On CPU, ``provide()`` runs with local specs (``gpt_provider.local_layer_spec``; a local hybrid stack
-spec), ``AttnBackend.local``, fusions off, and the MTP spec built without TE
-(``cpu_shims.bridge_local_mtp_spec``); with CUDA the providers keep their own (TE) specs.
+Without Transformer Engine (on CPU), ``provide()`` runs with local specs
+(``gpt_provider.local_layer_spec``; a local hybrid stack spec), ``AttnBackend.local``, fusions off,
+and the MTP spec built without TE (``cpu_shims.bridge_local_mtp_spec``); with TE the providers keep
+their own specs.
 
 Importable without megatron-bridge: Bridge is imported inside the functions (``import_bridge``);
 ``BRIDGE_MISSING`` is the reason to skip with when ``bridge_installed()`` is False.
@@ -114,6 +115,7 @@ def build_bridge_model(
     """
     import torch
     from megatron.core import parallel_state
+    from megatron.core.extensions.transformer_engine import HAVE_TE
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     from .cpu_shims import bridge_local_mtp_spec, installed
@@ -135,20 +137,19 @@ def build_bridge_model(
         if kind == "nemotron_h":
             provider = _with_scatter_option(provider)
         overrides["scatter_embedding_sequence_parallel"] = False
-    on_cpu = installed()
-    if on_cpu:
-        overrides.update(_cpu_overrides(provider))
+    if not HAVE_TE:
+        overrides.update(_local_overrides(provider))
     provider.apply_overrides_and_finalize(dtype=torch.float32, overrides=overrides)
     provider._pg_collection = ProcessGroupCollection.use_mpu_process_groups()
     torch.manual_seed(seed)
-    with bridge_local_mtp_spec() if on_cpu else contextlib.nullcontext():
+    with contextlib.nullcontext() if HAVE_TE else bridge_local_mtp_spec():
         model = provider.provide()
-    device = torch.device("cpu") if on_cpu else torch.device("cuda", torch.cuda.current_device())
+    device = torch.device("cpu") if installed() else torch.device("cuda", torch.cuda.current_device())
     return model.to(device)
 
 
-def _cpu_overrides(provider):
-    """Provider settings for a CPU build: local specs and attention, every fusion off."""
+def _local_overrides(provider):
+    """Provider settings for a build without TE: local specs and attention, every fusion off."""
     from megatron.bridge.models import gpt_provider
     from megatron.bridge.models.hybrid.hybrid_provider import HybridModelProvider
     from megatron.core.transformer.enums import AttnBackend
