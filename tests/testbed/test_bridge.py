@@ -147,5 +147,8 @@ def test_mtp_sp_scatter_on_bridge_models_tp2_cp2_sp():
 
     cases = TP1 + [not_scattering(kind, fix, cp=2) for kind in KINDS for fix in (False, True)]
     for results in run_ranks_checked(run_cases, 4, args=(cases,), fixes=[]):
-        # CP reorders the reductions: losses agree to float32 rounding, the gradient norm to ~1e-4
+        # losses agree to float32 rounding; the gradient norm only to ~5e-5: stock megatron-core
+        # normalises each CP rank's MTP loss by that rank's own valid-token count (the MTP loss
+        # scaling under CP, a separate upstream defect), which moves the MTP gradients by ~0.2%
+        # (without MTP the TP2xCP2 gradient norm matches TP1 to 1e-8)
         assert_fix_cures_not_scattering_models(results, cp=2, world_size=4, grad_rel=1e-3)
