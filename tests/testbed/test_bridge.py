@@ -3,11 +3,12 @@ holds on them.
 
 Bridge's ``AutoBridge.from_hf_config(...).to_megatron_provider(load_weights=False)`` makes the
 provider of a tiny Qwen3 (GPTModel) and NemotronH (HybridModel, attention/MLP pattern) config, each
-with one MTP layer; its ``provide()`` builds the megatron-core model. One spawn runs every case of its
-layouts (Bridge's import costs ~15 s a process): TP1 runs there as data parallel on the same batch.
-mtp-sp-scatter: a model whose embedding does not scatter to the sequence-parallel region (Bridge's
-multimodal setting) crashes stock megatron-core's MTP concat under TP+SP (Megatron-LM PR #6256 fixes
-it upstream); with the fix it matches TP1.
+with one MTP layer; its ``provide()`` builds the megatron-core model. One spawn of 4 ranks runs every
+case (Bridge's import costs ~15 s and 1.3 GB a process), TP1 and TP2 as data parallel on the same
+batch: ~2.5 min on 2 loaded cores, so the module is ``slow`` (the fast subset covers mtp-sp-scatter
+on plain megatron-core models). mtp-sp-scatter: a model whose embedding does not scatter to the
+sequence-parallel region (Bridge's multimodal setting) crashes stock megatron-core's MTP concat under
+TP+SP (Megatron-LM PR #6256 fixes it upstream); with the fix it matches TP1.
 """
 
 import pytest
@@ -15,7 +16,8 @@ import pytest
 from mtp_overlay.testing.bridge import BRIDGE_MISSING, KINDS, Case, bridge_installed
 from mtp_overlay.testing.launcher import run_ranks_checked
 
-pytestmark = pytest.mark.skipif(not bridge_installed(), reason=BRIDGE_MISSING)
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not bridge_installed(), reason=BRIDGE_MISSING)]
+WORLD_SIZE = 4
 
 BUILT = {"qwen3": "GPTModelProvider -> GPTModel", "nemotron_h": "HybridModelProvider -> HybridModel"}
 NOT_SCATTERING_BUILT = {
@@ -59,26 +61,25 @@ def pick(results, **fields):
 
 
 @pytest.fixture(scope="module")
-def tp2_run():
-    """Two ranks: TP1 (as DP2), TP2+SP, and the not-scattering models at TP2+SP with the fix off and on."""
+def bridge_run():
+    """Every case on 4 ranks: TP1 and TP2+SP, and the not-scattering models at TP2+SP and TP2xCP2+SP
+    with the fix off and on. One (facts, results) per rank."""
     cases = TP1 + [Case(kind, tp=2, sequence_parallel=True) for kind in KINDS]
-    cases += [not_scattering(kind, fix) for kind in KINDS for fix in (False, True)]
-    return run_ranks_checked(cases_and_import_facts, 2, args=(cases,), fixes=[])
+    cases += [not_scattering(kind, fix, cp) for cp in (1, 2) for kind in KINDS for fix in (False, True)]
+    return run_ranks_checked(cases_and_import_facts, WORLD_SIZE, args=(cases,), fixes=[])
 
 
-def assert_matches(result, reference, world_size, grad_rel=1e-5):
+def assert_matches(result, reference, grad_rel=1e-5):
     step, expected = result.step, reference.step
     assert step.lm_loss == pytest.approx(expected.lm_loss, rel=1e-5)
     assert step.mtp_losses == pytest.approx(expected.mtp_losses, rel=1e-5)
     assert step.grad_norm == pytest.approx(expected.grad_norm, rel=grad_rel)
     # the tracker counts MTP tokens over all data-parallel replicas (each fed the same batch)
-    assert [t / replicas(result, world_size) for t in step.mtp_tokens] == [
-        t / replicas(reference, world_size) for t in expected.mtp_tokens
-    ]
+    assert [t / replicas(result) for t in step.mtp_tokens] == [t / replicas(reference) for t in expected.mtp_tokens]
 
 
-def replicas(result, world_size):
-    return world_size // (result.case.tp * result.case.cp)
+def replicas(result):
+    return WORLD_SIZE // (result.case.tp * result.case.cp)
 
 
 def assert_trained_with_mtp(result):
@@ -90,8 +91,8 @@ def assert_trained_with_mtp(result):
     assert step.zero_grad_params == ()  # every parameter, MTP included, got a gradient
 
 
-def test_bridge_imports_without_transformer_engine_and_leaves_no_trace(tp2_run):
-    for facts, _ in tp2_run:
+def test_bridge_imports_without_transformer_engine_and_leaves_no_trace(bridge_run):
+    for facts, _ in bridge_run:
         assert facts["te_modules"] == []
         assert facts["import_restored"]
         name, doc = facts["lora_te"]
@@ -102,11 +103,10 @@ def test_bridge_imports_without_transformer_engine_and_leaves_no_trace(tp2_run):
         assert not any(facts["core_have_te"].values()), facts["core_have_te"]
 
 
-def test_bridge_built_models_train_one_step_with_mtp_at_tp1_and_tp2_sp(tp2_run):
-    for _, results in tp2_run:
+def test_bridge_built_models_train_one_step_with_mtp_at_tp1_and_tp2_sp(bridge_run):
+    for _, results in bridge_run:
         for layout in ("TP1", "TP2+SP"):
-            built = {r.case.kind: r for r in results
-                     if r.case.layout == layout and r.case.scatter_embedding_sequence_parallel}
+            built = pick(results, layout=layout, scatter_embedding_sequence_parallel=True)
             assert set(built) == set(KINDS), layout
             for kind, result in built.items():
                 assert result.built == BUILT[kind], (layout, result.built)
@@ -114,14 +114,14 @@ def test_bridge_built_models_train_one_step_with_mtp_at_tp1_and_tp2_sp(tp2_run):
                 assert_trained_with_mtp(result)
 
 
-def test_tp2_sp_matches_tp1(tp2_run):
-    for _, results in tp2_run:
+def test_tp2_sp_matches_tp1(bridge_run):
+    for _, results in bridge_run:
         reference = pick(results, tp=1)
         for kind, result in pick(results, tp=2, scatter_embedding_sequence_parallel=True).items():
-            assert_matches(result, reference[kind], world_size=len(tp2_run))
+            assert_matches(result, reference[kind])
 
 
-def assert_fix_cures_not_scattering_models(results, cp, world_size, grad_rel):
+def assert_fix_cures_not_scattering_models(results, cp, grad_rel):
     reference = pick(results, tp=1)
     stock = pick(results, cp=cp, scatter_embedding_sequence_parallel=False, fix=False)
     fixed = pick(results, cp=cp, scatter_embedding_sequence_parallel=False, fix=True)
@@ -133,22 +133,18 @@ def assert_fix_cures_not_scattering_models(results, cp, world_size, grad_rel):
         assert stock[kind].step is None and CRASH in stock[kind].error, stock[kind]
         assert stock[kind].error_where == "_concat_embeddings"
         assert_trained_with_mtp(fixed[kind])
-        assert_matches(fixed[kind], reference[kind], world_size, grad_rel)
+        assert_matches(fixed[kind], reference[kind], grad_rel)
 
 
-def test_mtp_sp_scatter_on_bridge_models_tp2_sp(tp2_run):
-    for _, results in tp2_run:
-        assert_fix_cures_not_scattering_models(results, cp=1, world_size=len(tp2_run), grad_rel=1e-5)
+def test_mtp_sp_scatter_on_bridge_models_tp2_sp(bridge_run):
+    for _, results in bridge_run:
+        assert_fix_cures_not_scattering_models(results, cp=1, grad_rel=1e-5)
 
 
-@pytest.mark.slow
-def test_mtp_sp_scatter_on_bridge_models_tp2_cp2_sp():
-    from mtp_overlay.testing.bridge import run_cases
-
-    cases = TP1 + [not_scattering(kind, fix, cp=2) for kind in KINDS for fix in (False, True)]
-    for results in run_ranks_checked(run_cases, 4, args=(cases,), fixes=[]):
+def test_mtp_sp_scatter_on_bridge_models_tp2_cp2_sp(bridge_run):
+    for _, results in bridge_run:
         # losses agree to float32 rounding; the gradient norm only to ~5e-5: stock megatron-core
         # normalises each CP rank's MTP loss by that rank's own valid-token count (the MTP loss
         # scaling under CP, a separate upstream defect), which moves the MTP gradients by ~0.2%
         # (without MTP the TP2xCP2 gradient norm matches TP1 to 1e-8)
-        assert_fix_cures_not_scattering_models(results, cp=2, world_size=4, grad_rel=1e-3)
+        assert_fix_cures_not_scattering_models(results, cp=2, grad_rel=1e-3)
