@@ -7,7 +7,7 @@ no files), the weights random from one seed on the CPU (``use_cpu_initialization
 TP2xCP2+SP runs hold identical full weights and their losses compare.
 
 Kinds:
-* ``"qwen3"``: ``Qwen3Config`` -> Bridge's Qwen3 bridge -> ``GPTModelProvider`` -> ``GPTModel``.
+* ``"qwen3"``: ``Qwen3Config`` -> ``Qwen3Bridge`` -> ``GPTModelProvider`` -> ``GPTModel``.
 * ``"nemotron_h"``: ``NemotronHConfig`` -> ``NemotronHBridge`` -> ``HybridModelProvider`` ->
   ``HybridModel``, pattern ``"*-*-"`` with MTP pattern ``"*-"`` (attention and MLP layers only: Mamba
   layers need the mamba_ssm kernels).
@@ -18,7 +18,8 @@ Both carry MTP through the HF key ``num_nextn_predict_layers`` (Bridge maps it t
 outer forward scatters the embeddings (Nemotron VL / Omni: ``NemotronVLModelProvider`` declares the
 field, megatron-core's ``LLaVAModel`` builds ``HybridModel(..., scatter_embedding_sequence_parallel=False)``).
 ``GPTModelProvider`` has the field and passes it to ``GPTModel``; ``HybridModelProvider`` (0.6.2) has
-neither, so for ``nemotron_h`` the provider is re-declared as ``HybridModelProviderWithScatterOption``,
+no such field and builds ``HybridModel`` with its default (True), so for ``nemotron_h`` the provider is
+re-declared as ``HybridModelProviderWithScatterOption``,
 a subclass that adds the field the way the VL provider does and passes it to ``HybridModel`` the way
 LLaVAModel does, running Bridge's own ``HybridModelProvider.provide()`` for everything else.
 
