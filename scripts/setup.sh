@@ -25,6 +25,11 @@ echo "setup.sh: building $venv with $python (a few minutes the first time)" >&2
 "$venv/bin/python" -m pip install -q -c scripts/constraints.txt torch
 "$venv/bin/python" -m pip install -q -c scripts/constraints.txt \
   megatron-core vllm transformers ray wrapt packaging pytest hypothesis
+# megatron-bridge 0.6.x pairs with megatron-core 0.19, but its metadata pins transformers<=5.12.1 and
+# flashinfer-python 0.6.8 (vLLM's pins win): --no-deps, plus what `import megatron.bridge` needs
+# (omegaconf 2.3 and its antlr4 runtime, the versions Bridge's hydra-core<1.4 pin resolves to)
+"$venv/bin/python" -m pip install -q --no-deps -c scripts/constraints.txt \
+  megatron-bridge omegaconf antlr4-python3-runtime
 # compat mode: a plain path entry, no import-time finder (cheaper interpreter start-up); its build
 # prints setuptools deprecation banners, kept in a log unless the install fails
 "$venv/bin/python" -m pip install -q --no-deps --config-settings editable_mode=compat -e . >"$venv/.editable.log" 2>&1 \

@@ -22,11 +22,25 @@ What needs a shim on a CPU machine (megatron-core 0.19.x, local spec), SPEC §4:
   2*cp-chunk layout, K/V all-gathered from the CP group, differentiable through the gather);
   RoPE's CP slicing uses ``pin_memory().cuda()`` and gets a CPU equivalent. THD RoPE
   (``rope_utils._apply_rotary_pos_emb_thd``) is plain torch and runs as it is.
+
+Megatron-Bridge 0.6 on a machine without Transformer Engine (scoped, used by ``testing.bridge``):
+
+* ``transformer_engine_import_stand_in()``: ``megatron/bridge/peft/lora_layers.py`` imports
+  ``transformer_engine.pytorch`` unguarded, so ``import megatron.bridge`` fails without TE. While the
+  block runs, that one import statement of that one module gets a stand-in object; every other
+  importer, megatron-core's own ``HAVE_TE`` probes included, still finds no TE, and nothing enters
+  ``sys.modules``.
+* ``bridge_local_mtp_spec()``: ``GPTModelProvider.provide()`` builds its MTP block through
+  ``gpt_provider.mtp_block_spec``, which calls ``get_gpt_mtp_block_spec(..., use_transformer_engine=True)``
+  whatever the layer spec: inside the block that call builds the local (non-TE) MTP spec.
 """
 
+import builtins
 import contextlib
 import dataclasses
 import functools
+import importlib.util
+import types
 
 _saved = []  # (owner, attribute, original vars() entry), in install order
 
@@ -298,3 +312,115 @@ def _self_attention_boundaries(packed_seq_params):
             f"{torch.as_tensor(query).tolist()} and {torch.as_tensor(key).tolist()}"
         )
     return torch.as_tensor(query)
+
+
+
+@contextlib.contextmanager
+def swapped(replacements):
+    """``with swapped([Shim, ...]): ...`` sets each attribute for the block, restoring the originals."""
+    saved = []
+    try:
+        for shim in replacements:
+            saved.append((shim.owner, shim.attribute, vars(shim.owner)[shim.attribute]))
+            setattr(shim.owner, shim.attribute, shim.replacement)
+        yield
+    finally:
+        for owner, attribute, original in reversed(saved):
+            setattr(owner, attribute, original)
+
+
+LORA_LAYERS = "megatron.bridge.peft.lora_layers"
+
+
+@contextlib.contextmanager
+def transformer_engine_import_stand_in(importer=LORA_LAYERS):
+    """While the block runs, ``import transformer_engine[.pytorch]`` in module ``importer`` gets a stand-in.
+
+    Megatron-Bridge 0.6.2 ``megatron/bridge/peft/lora_layers.py`` imports ``transformer_engine.pytorch``
+    unguarded (its line 20), so ``import megatron.bridge`` fails without Transformer Engine. The
+    stand-in is scoped by importer, not only by time: ``builtins.__import__`` hands it to that one
+    module's import statements and to nobody else, and it never enters ``sys.modules``; so
+    megatron-core's own ``HAVE_TE`` probes, some of which first run inside the same ``import
+    megatron.bridge``, still find no TE. Where TE is installed this does nothing.
+    """
+    if importlib.util.find_spec("transformer_engine") is not None:
+        yield
+        return
+    real_import = builtins.__import__
+    package = _transformer_engine_stand_in()
+
+    def scoped_import(name, globals=None, locals=None, fromlist=(), level=0):
+        if level == 0 and globals is not None and globals.get("__name__") == importer:
+            module = _stand_in_module(package, name)
+            if module is not None:
+                # `import a.b as c` takes the top package and then its attribute; `from a.b import x` the module
+                return module if fromlist else package
+        return real_import(name, globals, locals, fromlist, level)
+
+    builtins.__import__ = scoped_import
+    try:
+        yield
+    finally:
+        if builtins.__import__ is scoped_import:
+            builtins.__import__ = real_import
+
+
+def _stand_in_module(package, name):
+    """The stand-in module called ``name`` (``transformer_engine`` or a submodule of it), or None."""
+    parts = name.split(".")
+    if parts[0] != package.__name__:
+        return None
+    module = package
+    for part in parts[1:]:
+        module = vars(module).get(part)
+        if not isinstance(module, types.ModuleType):
+            return None
+    return module
+
+
+def _transformer_engine_stand_in():
+    """``transformer_engine`` with just what lora_layers.py touches while it loads.
+
+    ``pytorch.Linear`` / ``pytorch.LayerNormLinear`` are classes nothing is an instance of (no TE
+    module exists), ``pytorch.ops.Sequential`` serves the return annotations evaluated at class
+    definition; any other attribute raises AttributeError naming the stand-in.
+    """
+
+    def module(name, **attributes):
+        stand_in = types.ModuleType(name, f"CPU stand-in for {name} (test scaffolding, TE is not installed)")
+
+        def missing(attribute):
+            raise AttributeError(f"{name}.{attribute}: Transformer Engine is not installed (CPU stand-in)")
+
+        vars(stand_in).update(attributes, __getattr__=missing)
+        return stand_in
+
+    def placeholder(name):
+        return type(name, (), {"__doc__": f"Stand-in for transformer_engine.pytorch {name}: never instantiated"})
+
+    ops = module("transformer_engine.pytorch.ops", Sequential=placeholder("ops.Sequential"))
+    pytorch = module(
+        "transformer_engine.pytorch", Linear=placeholder("Linear"), LayerNormLinear=placeholder("LayerNormLinear"), ops=ops
+    )
+    return module("transformer_engine", pytorch=pytorch)
+
+
+@contextlib.contextmanager
+def bridge_local_mtp_spec():
+    """Inside the block, ``get_gpt_mtp_block_spec`` builds the local (non-TE) MTP block spec.
+
+    Megatron-Bridge 0.6.2 ``GPTModelProvider.provide()`` gets its MTP spec from
+    ``gpt_provider.mtp_block_spec``, which calls ``get_gpt_mtp_block_spec(config, spec,
+    use_transformer_engine=True, ...)`` whatever layer spec the provider was given; it imports that
+    function when called, so swapping the megatron-core attribute is enough.
+    """
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    build = gpt_layer_specs.get_gpt_mtp_block_spec
+
+    @functools.wraps(build)
+    def build_local(config, spec, use_transformer_engine=True, **kwargs):
+        return build(config, spec, use_transformer_engine=False, **kwargs)
+
+    with swapped([Shim(gpt_layer_specs, "get_gpt_mtp_block_spec", build_local)]):
+        yield

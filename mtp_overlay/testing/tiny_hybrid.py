@@ -19,8 +19,12 @@ kernels and are not supported here.
 from .tiny_gpt import _device
 
 
-def local_hybrid_stack_spec():
-    """``ModuleSpec(HybridStack, HybridStackSubmodules)`` of attention, MLP and MTP from local modules."""
+def local_hybrid_stack_spec(config=None):
+    """``ModuleSpec(HybridStack, HybridStackSubmodules)`` of attention, MLP and MTP from local modules.
+
+    ``config``: a config whose ``normalization`` picks the norm (a Megatron-Bridge HybridModelProvider
+    calls its ``hybrid_stack_spec`` with itself); None keeps megatron-core's local default.
+    """
     from megatron.core.models.backends import LocalSpecProvider
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_submodules
     from megatron.core.models.hybrid.hybrid_block import HybridStack, HybridStackSubmodules
@@ -33,7 +37,7 @@ def local_hybrid_stack_spec():
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
-    gpt = get_gpt_layer_local_submodules()
+    gpt = get_gpt_layer_local_submodules(normalization=getattr(config, "normalization", None))
     attention = TransformerLayerSubmodules(
         input_layernorm=gpt.input_layernorm, self_attention=gpt.self_attention, self_attn_bda=gpt.self_attn_bda
     )

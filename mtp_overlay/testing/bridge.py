@@ -1,0 +1,318 @@
+"""Tiny models built through real Megatron-Bridge providers, and training cases run on them.
+
+The path Nemotron-class RL trainers take: a Hugging Face config goes through
+``AutoBridge.from_hf_config(config).to_megatron_provider(load_weights=False)`` and the provider's
+``provide()`` builds the megatron-core model. Here the configs are tiny and written in code (no hub,
+no files), the weights random from one seed on the CPU (``use_cpu_initialization``), so TP1, TP2+SP and
+TP2xCP2+SP runs hold identical full weights and their losses compare.
+
+Kinds:
+* ``"qwen3"``: ``Qwen3Config`` -> ``Qwen3Bridge`` -> ``GPTModelProvider`` -> ``GPTModel``.
+* ``"nemotron_h"``: ``NemotronHConfig`` -> ``NemotronHBridge`` -> ``HybridModelProvider`` ->
+  ``HybridModel``, pattern ``"*-*-"`` with MTP pattern ``"*-"`` (attention and MLP layers only: Mamba
+  layers need the mamba_ssm kernels).
+
+Both carry MTP through the HF key ``num_nextn_predict_layers`` (Bridge maps it to ``mtp_num_layers``).
+
+``scatter_embedding_sequence_parallel=False`` is the setting of Bridge's multimodal models, whose
+outer forward scatters the embeddings (Nemotron VL / Omni: ``NemotronVLModelProvider`` declares the
+field, megatron-core's ``LLaVAModel`` builds ``HybridModel(..., scatter_embedding_sequence_parallel=False)``).
+``GPTModelProvider`` has the field and passes it to ``GPTModel``; ``HybridModelProvider`` (0.6.2) has
+no such field and builds ``HybridModel`` with its default (True), so for ``nemotron_h`` the provider is
+re-declared as ``HybridModelProviderWithScatterOption``,
+a subclass that adds the field the way the VL provider does and passes it to ``HybridModel`` the way
+LLaVAModel does, running Bridge's own ``HybridModelProvider.provide()`` for everything else.
+
+Without Transformer Engine (on CPU), ``provide()`` runs with local specs
+(``gpt_provider.local_layer_spec``; a local hybrid stack spec), ``AttnBackend.local``, fusions off,
+and the MTP spec built without TE (``cpu_shims.bridge_local_mtp_spec``); with TE the providers keep
+their own specs.
+
+Importable without megatron-bridge: Bridge is imported inside the functions (``import_bridge``);
+``BRIDGE_MISSING`` is the reason to skip with when ``bridge_installed()`` is False.
+"""
+
+import contextlib
+import dataclasses
+import functools
+import importlib.util
+from .tiny_hybrid import local_hybrid_stack_spec
+
+KINDS = ("qwen3", "nemotron_h")
+BRIDGE_MISSING = "megatron-bridge is not installed (scripts/setup.sh installs megatron-bridge 0.6.2 --no-deps)"
+MTP_SCATTER_FIX = "mtp-sp-scatter"
+
+
+def bridge_installed():
+    """Whether ``megatron.bridge`` can be imported here (without importing it: that takes ~15 s)."""
+    try:
+        return importlib.util.find_spec("megatron.bridge") is not None
+    except ModuleNotFoundError:  # no megatron namespace at all
+        return False
+
+
+def import_bridge():
+    """``import megatron.bridge``; without Transformer Engine through the scoped TE import stand-in."""
+    from .cpu_shims import transformer_engine_import_stand_in
+
+    with transformer_engine_import_stand_in():
+        import megatron.bridge
+    return megatron.bridge
+
+
+def tiny_hf_config(kind, *, mtp_num_layers=1, vocab_size=128, hidden_size=64, max_position_embeddings=64):
+    """A tiny Hugging Face config of ``kind`` (see KINDS) with ``mtp_num_layers`` MTP layers."""
+    if kind == "qwen3":
+        from transformers import Qwen3Config
+
+        return Qwen3Config(
+            architectures=["Qwen3ForCausalLM"],
+            vocab_size=vocab_size,
+            hidden_size=hidden_size,
+            intermediate_size=2 * hidden_size,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=hidden_size // 4,
+            max_position_embeddings=max_position_embeddings,
+            tie_word_embeddings=False,
+            num_nextn_predict_layers=mtp_num_layers,
+        )
+    if kind == "nemotron_h":
+        from transformers import NemotronHConfig
+
+        return NemotronHConfig(
+            architectures=["NemotronHForCausalLM"],
+            vocab_size=vocab_size,
+            hidden_size=hidden_size,
+            intermediate_size=2 * hidden_size,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=hidden_size // 4,
+            max_position_embeddings=max_position_embeddings,
+            hybrid_override_pattern="*-*-",
+            mtp_hybrid_override_pattern="*-",
+            num_nextn_predict_layers=mtp_num_layers,
+        )
+    raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+
+
+def bridge_provider(kind, *, mtp_num_layers=1, **config_kwargs):
+    """The provider Bridge makes of ``tiny_hf_config(kind, ...)``, offline, weights not loaded."""
+    import_bridge()
+    from megatron.bridge import AutoBridge
+
+    config = tiny_hf_config(kind, mtp_num_layers=mtp_num_layers, **config_kwargs)
+    return AutoBridge.from_hf_config(config).to_megatron_provider(load_weights=False)
+
+
+def build_bridge_model(
+    kind, *, seed=1234, mtp_num_layers=1, sequence_parallel=False, scatter_embedding_sequence_parallel=True
+):
+    """The megatron-core model Bridge's provider builds for ``kind``, for this rank.
+
+    Call inside ``run_ranks`` workers: TP and CP sizes come from ``parallel_state``. fp32, no dropout.
+    ``scatter_embedding_sequence_parallel=False`` builds a model whose embedding does not scatter to
+    the sequence-parallel region (the multimodal setting, see the module docstring).
+    """
+    import torch
+    from megatron.core import parallel_state
+    from megatron.core.extensions.transformer_engine import HAVE_TE
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    from .cpu_shims import bridge_local_mtp_spec, installed
+
+    if not isinstance(scatter_embedding_sequence_parallel, bool):
+        raise TypeError(
+            f"scatter_embedding_sequence_parallel must be a bool, got {scatter_embedding_sequence_parallel!r}"
+        )
+    provider = bridge_provider(kind, mtp_num_layers=mtp_num_layers)
+    overrides = dict(
+        tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
+        context_parallel_size=parallel_state.get_context_parallel_world_size(),
+        sequence_parallel=sequence_parallel,
+        use_cpu_initialization=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
+    if not scatter_embedding_sequence_parallel:
+        if kind == "nemotron_h":
+            provider = _with_scatter_option(provider)
+        overrides["scatter_embedding_sequence_parallel"] = False
+    if not HAVE_TE:
+        overrides.update(_local_overrides(provider))
+    provider.apply_overrides_and_finalize(dtype=torch.float32, overrides=overrides)
+    provider._pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+    torch.manual_seed(seed)
+    with contextlib.nullcontext() if HAVE_TE else bridge_local_mtp_spec():
+        model = provider.provide()
+    device = torch.device("cpu") if installed() else torch.device("cuda", torch.cuda.current_device())
+    return model.to(device)
+
+
+def _local_overrides(provider):
+    """Provider settings for a build without TE: local specs and attention, every fusion off."""
+    from megatron.bridge.models import gpt_provider
+    from megatron.bridge.models.hybrid.hybrid_provider import HybridModelProvider
+    from megatron.core.transformer.enums import AttnBackend
+
+    fusions = (
+        "masked_softmax_fusion",
+        "bias_activation_fusion",
+        "bias_dropout_fusion",
+        "apply_rope_fusion",
+        "cross_entropy_loss_fusion",
+        "gradient_accumulation_fusion",
+        "persist_layer_norm",
+        "moe_permute_fusion",
+    )
+    overrides = {name: False for name in fusions}
+    overrides["attention_backend"] = AttnBackend.local
+    if isinstance(provider, HybridModelProvider):
+        overrides["hybrid_stack_spec"] = local_hybrid_stack_spec
+        overrides["first_last_layers_bf16"] = False
+    else:
+        overrides["transformer_layer_spec"] = gpt_provider.local_layer_spec
+    return overrides
+
+
+@functools.cache
+def _scatter_option_provider_class():
+    from megatron.bridge.models.hybrid import hybrid_provider
+
+    @dataclasses.dataclass
+    class HybridModelProviderWithScatterOption(hybrid_provider.HybridModelProvider):
+        """HybridModelProvider with the ``scatter_embedding_sequence_parallel`` field of Bridge's VL
+        providers, passed to ``HybridModel`` as megatron-core's LLaVAModel passes it."""
+
+        scatter_embedding_sequence_parallel: bool = True
+
+        def provide(self, pre_process=None, post_process=None, vp_stage=None):
+            hybrid_model = hybrid_provider.MCoreHybridModel
+            hybrid_provider.MCoreHybridModel = functools.partial(
+                hybrid_model, scatter_embedding_sequence_parallel=self.scatter_embedding_sequence_parallel
+            )
+            try:
+                return super().provide(pre_process=pre_process, post_process=post_process, vp_stage=vp_stage)
+            finally:
+                hybrid_provider.MCoreHybridModel = hybrid_model
+
+    return HybridModelProviderWithScatterOption
+
+
+def _with_scatter_option(provider):
+    """``provider`` (a HybridModelProvider, not finalized) re-declared with the scatter option."""
+    cls = _scatter_option_provider_class()
+    names = {field.name for field in dataclasses.fields(provider)}
+    extra = set(vars(provider)) - names
+    if extra:
+        raise ValueError(f"provider carries attributes outside its dataclass fields: {sorted(extra)}")
+    return cls(**{field.name: getattr(provider, field.name) for field in dataclasses.fields(provider) if field.init})
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One training case: ``kind`` (KINDS) on a ``tp`` x ``cp`` layout (the rest of the spawned ranks
+    are data parallel, fed the same batch), sequence parallelism, the embedding's scatter setting, and
+    whether the mtp-sp-scatter fix is installed for it."""
+
+    kind: str
+    tp: int = 1
+    cp: int = 1
+    sequence_parallel: bool = False
+    scatter_embedding_sequence_parallel: bool = True
+    fix: bool = False
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
+        for name in ("tp", "cp"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.sequence_parallel and self.tp == 1:
+            raise ValueError("sequence_parallel=True needs tp > 1")
+
+    @property
+    def layout(self):
+        """``"TP1"``, ``"TP2+SP"``, ``"TP2xCP2+SP"``..."""
+        cp = f"xCP{self.cp}" if self.cp > 1 else ""
+        return f"TP{self.tp}{cp}{'+SP' if self.sequence_parallel else ''}"
+
+
+@dataclasses.dataclass(frozen=True)
+class CaseResult:
+    """What one case gave on this rank.
+
+    built: ``"<provider class> -> <model class>"``; embedding_scatters: the built model's
+    ``embedding.scatter_to_sequence_parallel``; then either ``step`` (a ``tiny_gpt.StepResult``) or
+    ``error`` (``"<type>: <message>"``) with ``error_where``, the innermost Python function it came from.
+    """
+
+    case: Case
+    built: str | None = None
+    embedding_scatters: bool | None = None
+    step: object = None
+    error: str | None = None
+    error_where: str | None = None
+
+
+def run_cases(cases, *, seed=1234):
+    """Worker: build and train one step of each case in turn, on this rank; one CaseResult each.
+
+    Run with ``run_ranks(fn, world_size, fixes=[])`` (its own tp/cp are replaced case by case: the
+    world size must be a multiple of every case's ``tp * cp``). Each case sets up its layout's model
+    parallelism, installs (``fix=True``) or removes the mtp-sp-scatter fix and is seeded alike, so the
+    cases of one spawn are as independent as separate spawns while Bridge's import (~15 s a process)
+    is paid once. A case that raises is recorded with its error: every rank of a layout fails at the
+    same point, so the next case starts in step.
+    """
+    import traceback
+
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state, tensor_parallel
+
+    import mtp_overlay
+
+    from .tiny_gpt import make_batch, train_step
+
+    world_size = dist.get_world_size()
+    for case in cases:
+        if not isinstance(case, Case):
+            raise TypeError(f"cases must be Case objects, got {case!r}")
+        if world_size % (case.tp * case.cp):
+            raise ValueError(f"{case}: world size {world_size} is not a multiple of tp * cp = {case.tp * case.cp}")
+    results = []
+    for case in cases:
+        if (case.tp, case.cp) != (
+            parallel_state.get_tensor_model_parallel_world_size(),
+            parallel_state.get_context_parallel_world_size(),
+        ):
+            parallel_state.destroy_model_parallel()
+            parallel_state.initialize_model_parallel(
+                tensor_model_parallel_size=case.tp, pipeline_model_parallel_size=1, context_parallel_size=case.cp
+            )
+        if case.fix:
+            mtp_overlay.install(only=[MTP_SCATTER_FIX])
+        else:
+            mtp_overlay.uninstall(only=[MTP_SCATTER_FIX])
+        torch.manual_seed(seed)
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+        model = build_bridge_model(
+            case.kind,
+            seed=seed,
+            sequence_parallel=case.sequence_parallel,
+            scatter_embedding_sequence_parallel=case.scatter_embedding_sequence_parallel,
+        )
+        built = dict(
+            case=case,
+            built=f"{type(model.config).__name__} -> {type(model).__name__}",
+            embedding_scatters=model.embedding.scatter_to_sequence_parallel,
+        )
+        try:
+            results.append(CaseResult(**built, step=train_step(model, make_batch())))
+        except Exception as error:  # noqa: BLE001 - the stock crash is a result, not a failure
+            where = traceback.extract_tb(error.__traceback__)[-1].name
+            results.append(CaseResult(**built, error=f"{type(error).__name__}: {error}", error_where=where))
+    return results
