@@ -140,7 +140,7 @@ class MegatronStep:
         from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
         per_token = bool(self.config.calculate_per_token_loss)
-        _check_step_arguments(microbatches, loss, labels, mtp_grad_scale, per_token, update, self.optimizer)
+        check_step_arguments(microbatches, loss, labels, mtp_grad_scale, per_token, update, self.optimizer)
         cp_group = parallel_state.get_context_parallel_group()
         dp_group = parallel_state.get_data_parallel_group()
         dp_cp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
@@ -208,12 +208,14 @@ class MegatronStep:
         )
 
     def _optimizer_step(self):
-        before = [param.detach().clone() for param in self.model.parameters()]
+        """megatron-core's optimizer step; the L2 norm of the full (TP-gathered) weight update."""
+        model = _unwrapped(self.model)
+        before = dict(_full_flat(model, lambda param: param.detach().clone()))
         succeeded, _, _ = self.optimizer.step()
         if not succeeded:
             raise RuntimeError("megatron-core's optimizer step did not succeed")
-        after = self.model.parameters()
-        return math.sqrt(sum((param.detach() - old).double().pow(2).sum().item() for param, old in zip(after, before)))
+        after = _full_flat(model, lambda param: param)
+        return math.sqrt(sum((flat - before[name]).double().pow(2).sum().item() for name, flat in after))
 
 
 def three_output_loss(loss_mask, output_tensor):
@@ -253,7 +255,7 @@ def nemo_rl_loss(global_valid_tokens, num_microbatches, cp_size, loss_mask, outp
     return loss, {"lm loss": torch.stack([local.detach(), mask.sum()])}
 
 
-def _check_step_arguments(microbatches, loss, labels, mtp_grad_scale, per_token, update, optimizer):
+def check_step_arguments(microbatches, loss, labels, mtp_grad_scale, per_token, update, optimizer):
     import torch
 
     if loss not in LOSS_SHAPES:
@@ -321,25 +323,33 @@ def _logged_mtp_metrics(helper, num_microbatches, dp_cp_group):
     )
 
 
-def _finalized_grads(model):
-    """The finalized main_grads, TP shards gathered, as flat "mtp" / "lm" vectors, with norms."""
+def _full_flat(model, tensor_of):
+    """(name, flat float32 CPU tensor) per parameter of ``model``: ``tensor_of(param)`` (None: zeros)
+    with TP shards gathered to the full tensor, identical on every TP rank."""
     import torch
     from megatron.core import parallel_state
 
     tp_group = parallel_state.get_tensor_model_parallel_group()
     tp_size = torch.distributed.get_world_size(tp_group)
+    for name, param in model.named_parameters():
+        tensor = tensor_of(param)
+        tensor = torch.zeros_like(param, dtype=torch.float32) if tensor is None else tensor.detach().float()
+        if tp_size > 1 and getattr(param, "tensor_model_parallel", False):
+            shards = [torch.empty_like(tensor) for _ in range(tp_size)]
+            torch.distributed.all_gather(shards, tensor.contiguous(), group=tp_group)
+            tensor = torch.cat(shards, dim=param.partition_dim)
+        yield name, tensor.reshape(-1).cpu()
+
+
+def _finalized_grads(model):
+    """The finalized main_grads, TP shards gathered, as flat "mtp" / "lm" vectors, with norms."""
+    import torch
+
     parts = {"mtp": [], "lm": []}
     group_squares, zero = {}, []
-    for name, param in model.named_parameters():
-        grad = getattr(param, "main_grad", None)
-        grad = torch.zeros_like(param, dtype=torch.float32) if grad is None else grad.detach().float()
-        if tp_size > 1 and getattr(param, "tensor_model_parallel", False):
-            shards = [torch.empty_like(grad) for _ in range(tp_size)]
-            torch.distributed.all_gather(shards, grad.contiguous(), group=tp_group)
-            grad = torch.cat(shards, dim=param.partition_dim)
-        flat = grad.reshape(-1).cpu()
-        parts["mtp" if name.split(".")[0] == "mtp" else "lm"].append(flat)
+    for name, flat in _full_flat(model, lambda param: getattr(param, "main_grad", None)):
         top = name.split(".")[0]
+        parts["mtp" if top == "mtp" else "lm"].append(flat)
         group_squares[top] = group_squares.get(top, 0.0) + flat.double().pow(2).sum().item()
         if not flat.any():
             zero.append(name)

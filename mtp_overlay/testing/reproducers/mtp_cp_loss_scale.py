@@ -33,7 +33,9 @@ MODES = {
     "NeMo-RL: per-token, mtp_grad_scale_func 1/global valid tokens": Mode("nemo-rl", True, "global-valid-tokens"),
     "NeMo-RL, RL forward (labels=None)": Mode("nemo-rl", True, "global-valid-tokens", labels=False),
 }
-MASKS = ("uneven", "all-ones")
+# uneven: zero over the first 40% of every sequence; all-ones; middle: ones on positions 8-23 only,
+# so under CP2 every LM token sits on CP rank 1 while rank 0 still holds one MTP target (position 7)
+MASKS = ("uneven", "all-ones", "middle")
 
 
 def microbatch(mask, labels=True):
@@ -52,6 +54,9 @@ def microbatch(mask, labels=True):
     tokens = torch.ones(BATCH_SIZE, SEQ_LENGTH)
     if mask == "uneven":
         tokens[:, : int(PROMPT_FRACTION * SEQ_LENGTH)] = 0
+    elif mask == "middle":
+        tokens[:, : SEQ_LENGTH // 4] = 0
+        tokens[:, 3 * SEQ_LENGTH // 4 :] = 0
     if labels:
         batch["loss_mask"] = tokens
     else:  # label i is token i+1: trained when token i+1 is (the last label's token is past the window)
@@ -60,11 +65,14 @@ def microbatch(mask, labels=True):
     return batch
 
 
-def measure(modes=None, masks=MASKS, variants=("stock", "fixed"), sequence_parallel=False):
+def measure(modes=None, masks=MASKS, variants=("stock", "fixed"), sequence_parallel=False, warmup=0):
     """Rank worker: one MegatronStep per mode and mask, stock (fix off) and fixed (fix on).
 
     Returns, on global rank 0, ``{(mode, mask): {variant: MegatronStepResult}}`` (None elsewhere).
-    Gradients only (no optimizer step): every step starts from the same weights.
+    The measured steps compute gradients only, all from the same weights: the tiny GPT as built or,
+    with ``warmup``, after that many Adam steps (lr 1e-2, fix on, uneven mask; the loss whose LM
+    gradient is CP-exact: 2-output, or 3-output with per-token loss), so that the MTP head predicts
+    some tokens and the logged acceptance rate is not zero.
     """
     import torch
 
@@ -81,7 +89,11 @@ def measure(modes=None, masks=MASKS, variants=("stock", "fixed"), sequence_paral
             model = build_tiny_gpt(
                 sequence_parallel=sequence_parallel, mtp_detach_heads=True, calculate_per_token_loss=mode.per_token
             )
-            steps[mode.per_token] = MegatronStep(model, optimizer=None)
+            steps[mode.per_token] = MegatronStep(model, optimizer="megatron" if warmup else None, lr=1e-2)
+            if warmup:
+                mtp_overlay.install(only=[FIX])
+                for _ in range(warmup):
+                    steps[mode.per_token].step([microbatch("uneven")], loss="3-output" if mode.per_token else "2-output")
         for mask in masks:
             batch = microbatch(mask, mode.labels)
             row = results[(name, mask)] = {}
