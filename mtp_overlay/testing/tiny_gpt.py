@@ -27,8 +27,9 @@ def build_tiny_gpt(
     """A GPTModel (local spec, RoPE, no dropout) with ``mtp_num_layers`` MTP layers.
 
     TP and CP sizes come from ``parallel_state``. ``config_overrides`` go to TransformerConfig
-    (e.g. ``mtp_detach_heads=True``, ``calculate_per_token_loss=True``);
-    ``scatter_embedding_sequence_parallel`` goes to GPTModel.
+    (e.g. ``mtp_detach_heads=True``, ``calculate_per_token_loss=True``; ``num_moe_experts`` also
+    makes every MLP, the MTP layer's included, a local-spec MoE); ``scatter_embedding_sequence_parallel``
+    goes to GPTModel.
     """
     import torch
     from megatron.core import parallel_state
@@ -49,7 +50,7 @@ def build_tiny_gpt(
         attention_dropout=0.0,
     )
     config = TransformerConfig(**{**settings, **config_overrides})
-    layer_spec = get_gpt_layer_local_spec()
+    layer_spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False)
     mtp_spec = None
     if mtp_num_layers:
         mtp_spec = get_gpt_mtp_block_spec(config, layer_spec, use_transformer_engine=False)

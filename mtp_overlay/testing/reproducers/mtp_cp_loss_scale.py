@@ -38,7 +38,7 @@ MODES = {
 MASKS = ("uneven", "all-ones", "middle")
 
 
-def microbatch(mask, labels=True):
+def microbatch(mask, labels=True, vocab_size=128):
     """The batch of ``tiny_gpt.make_batch`` with the ``mask`` of MASKS.
 
     labels=True: ``loss_mask`` (label-aligned) is the mask. labels=False (RL): the mask is the
@@ -50,7 +50,7 @@ def microbatch(mask, labels=True):
 
     if mask not in MASKS:
         raise ValueError(f"mask must be one of {MASKS}, got {mask!r}")
-    batch = make_batch(batch_size=BATCH_SIZE, seq_length=SEQ_LENGTH)
+    batch = make_batch(batch_size=BATCH_SIZE, seq_length=SEQ_LENGTH, vocab_size=vocab_size)
     tokens = torch.ones(BATCH_SIZE, SEQ_LENGTH)
     if mask == "uneven":
         tokens[:, : int(PROMPT_FRACTION * SEQ_LENGTH)] = 0
@@ -65,14 +65,14 @@ def microbatch(mask, labels=True):
     return batch
 
 
-def measure(modes=None, masks=MASKS, variants=("stock", "fixed"), sequence_parallel=False, warmup=0):
+def measure(modes=None, masks=MASKS, variants=("stock", "fixed"), sequence_parallel=False, vocab_size=128,
+            **model_overrides):
     """Rank worker: one MegatronStep per mode and mask, stock (fix off) and fixed (fix on).
 
     Returns, on global rank 0, ``{(mode, mask): {variant: MegatronStepResult}}`` (None elsewhere).
-    The measured steps compute gradients only, all from the same weights: the tiny GPT as built or,
-    with ``warmup``, after that many Adam steps (lr 1e-2, fix on, uneven mask; the loss whose LM
-    gradient is CP-exact: 2-output, or 3-output with per-token loss), so that the MTP head predicts
-    some tokens and the logged acceptance rate is not zero.
+    Gradients only (no optimizer step): every step starts from the same weights. A small
+    ``vocab_size`` (8) lets the untrained MTP head guess some tokens: a non-zero acceptance rate.
+    ``model_overrides`` go to ``build_tiny_gpt`` (e.g. MoE settings, ``mtp_loss_scaling_factor``).
     """
     import torch
 
@@ -87,15 +87,12 @@ def measure(modes=None, masks=MASKS, variants=("stock", "fixed"), sequence_paral
         mode = MODES[name]
         if mode.per_token not in steps:
             model = build_tiny_gpt(
-                sequence_parallel=sequence_parallel, mtp_detach_heads=True, calculate_per_token_loss=mode.per_token
+                sequence_parallel=sequence_parallel, mtp_detach_heads=True, calculate_per_token_loss=mode.per_token,
+                vocab_size=vocab_size, **model_overrides,
             )
-            steps[mode.per_token] = MegatronStep(model, optimizer="megatron" if warmup else None, lr=1e-2)
-            if warmup:
-                mtp_overlay.install(only=[FIX])
-                for _ in range(warmup):
-                    steps[mode.per_token].step([microbatch("uneven")], loss="3-output" if mode.per_token else "2-output")
+            steps[mode.per_token] = MegatronStep(model, optimizer=None)
         for mask in masks:
-            batch = microbatch(mask, mode.labels)
+            batch = microbatch(mask, mode.labels, vocab_size)
             row = results[(name, mask)] = {}
             for variant in variants:
                 if variant == "fixed":
