@@ -7,11 +7,20 @@ normalises each CP rank's MTP loss by its own token counts (Megatron-LM PR #7498
 at CP>1 differs from CP=1's; fixed, it equals CP=1's.
 """
 
+import os
+import pickle
+import subprocess
+from pathlib import Path
+
 import numpy
 import pytest
 
 from mtp_overlay.testing.launcher import run_ranks_checked
+from mtp_overlay.testing.releases import copy_installed, run_with_release
 from mtp_overlay.testing.reproducers.mtp_cp_loss_scale import MASKS, MODES, measure
+
+ROOT = Path(__file__).resolve().parents[3]
+PATCH = ROOT / "patches" / "mtp-cp-loss-scale" / "megatron-core" / "0.19.patch"
 
 EXACT = 1e-5  # relerr of float32 gradients summed in another order
 MOE = dict(num_moe_experts=4, moe_router_topk=2, moe_aux_loss_coeff=0.1, moe_token_dispatcher_type="allgather",
@@ -115,6 +124,34 @@ def test_moe_aux_loss_is_untouched(cp1, cp2):
         assert row["stock"].group_grad_norms["mtp"] > 0, key
         for part in ("mtp", "lm"):
             assert numpy.array_equal(row["stock"].grads[part], row["fixed"].grads[part]), key
+
+
+PATCHED_RUN = """
+import pickle
+import megatron.core.transformer.multi_token_prediction as m
+from mtp_overlay.testing.launcher import run_ranks_checked
+from mtp_overlay.testing.reproducers.mtp_cp_loss_scale import measure
+assert m.__file__.startswith(%r), m.__file__
+results = run_ranks_checked(measure, 2, cp=2, fixes=[], kwargs=dict(variants=("stock",)))[0]
+open(%r, "wb").write(pickle.dumps(results))
+"""
+
+
+def test_source_patch_gives_the_hooks_gradients(cp2, tmp_path):
+    """The DEP-3 patch (Megatron-LM PR #7498's logic in process_mtp_loss) applied to a copy of the
+    installed megatron-core, fix off: every mode and mask gives what the hook gives on stock."""
+    site = copy_installed("megatron-core", tmp_path / "site")
+    subprocess.run(["git", "apply", "-p1", str(PATCH)], cwd=site, check=True)
+    out = tmp_path / "patched.pickle"
+    result = run_with_release(site, PATCHED_RUN % (str(site), str(out)), env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert result.returncode == 0, result.stderr[-3000:]
+    patched = pickle.loads(out.read_bytes())
+    assert set(patched) == set(cp2["table"])
+    for key, row in patched.items():
+        hook = cp2["table"][key]["fixed"]
+        assert row["stock"].relative_error(hook, "mtp") < 1e-6, key
+        assert numpy.array_equal(row["stock"].grads["lm"], hook.grads["lm"]), key
+        assert row["stock"].mtp_losses == pytest.approx(hook.mtp_losses, rel=1e-6), key
 
 
 @pytest.mark.slow
