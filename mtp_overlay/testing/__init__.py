@@ -39,6 +39,14 @@ Usage (``fn`` must be a module-level function, its arguments and return value pi
   finalised the way Megatron's schedule does it (see its docstring): with an all-ones mask CP2
   matches TP1 in losses exactly, in MTP gradients only to ~1e-3 (Megatron's per-CP-rank MTP token
   normalisation); TP2+SP matches TP1 in everything.
+* ``megatron_step.MegatronStep(model, optimizer="megatron"|None)``: Megatron's own training step
+  around any built megatron-core language model: DistributedDataParallel, ``get_forward_backward_func()``,
+  ``finalize_model_grads``, megatron-core's Adam. ``.step(microbatches, loss="2-output"|"3-output"|
+  "nemo-rl", labels=True|False, mtp_grad_scale=None|x|"global-valid-tokens", update=True)`` ->
+  ``MegatronStepResult``: lm_loss, logged mtp_losses / mtp_acceptance, mtp_tokens, ``grads``
+  ({"mtp", "lm"}: flat TP-gathered numpy arrays, ``relative_error(reference, part)``), grad norms,
+  update_norm. ``tiny_gpt.train_step`` is its hand-written imitation; both agree at TP1.
+* ``reproducers.<fix_id>.reproduce() -> (bug_shows, evidence)``: a fix's stock path with the fix off.
 * ``cpu_shims``: the CPU stand-ins (SPEC section 4), installed by ``run_ranks`` on CPU; test
   scaffolding only, ``cpu_shims()`` context manager or ``install()`` / ``uninstall()``.
 * ``releases``: other upstream releases side by side (``release_site``, ``copy_installed``,

@@ -87,9 +87,9 @@ def probe_target(module):
     absent = [name for name in REQUIRED_NAMES if name not in names]
     unknown = sorted(names - KNOWN_NAMES)
     if absent or unknown:
+        changes = ([f"no {absent}"] if absent else []) + ([f"new names {unknown}"] if unknown else [])
         return drifted(
-            f"{PROCESS} changed shape ({f'no {absent}' if absent else ''}{'; ' if absent and unknown else ''}"
-            f"{f'new names {unknown}' if unknown else ''}): it may normalise the MTP loss differently; "
+            f"{PROCESS} changed shape ({'; '.join(changes)}): it may normalise the MTP loss differently; "
             "check it against Megatron-LM PR #7498 and update the hook"
         )
     return needed(f"{PROCESS} divides each CP rank's MTP loss by its own token counts")
@@ -121,21 +121,32 @@ class _Counts:
         self.per_token = per_token
 
 
+_view_class = None
+
+
 def _config_view(config, counts):
     """``config`` with upstream's plain normalisation branch and the CP correction in the MTP scale."""
-    import wrapt
+    global _view_class
+    if _view_class is None:
+        import wrapt
 
-    class CountedConfig(wrapt.ObjectProxy):
-        @property
-        def calculate_per_token_loss(self):
-            return False
+        class CountedConfig(wrapt.ObjectProxy):
+            def __init__(self, config, counts):
+                super().__init__(config)
+                self._self_counts = counts
 
-        @property
-        def mtp_loss_scaling_factor(self):
-            factor = self.__wrapped__.mtp_loss_scaling_factor
-            return factor * (counts.original_total if counts.per_token else counts.size)
+            @property
+            def calculate_per_token_loss(self):
+                return False
 
-    return CountedConfig(config)
+            @property
+            def mtp_loss_scaling_factor(self):
+                counts = self._self_counts
+                factor = self.__wrapped__.mtp_loss_scaling_factor
+                return factor * (counts.original_total if counts.per_token else counts.size)
+
+        _view_class = CountedConfig
+    return _view_class(config, counts)
 
 
 class CPLossScaleFix(Fix):

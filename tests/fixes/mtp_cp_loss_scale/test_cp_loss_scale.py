@@ -29,11 +29,45 @@ MOE_MODES = ("2-output", "3-output, per-token")
 METRICS_MODES = ("3-output, per-token", "NeMo-RL, RL forward (labels=None)")
 
 
+def all_reduces(sequence_parallel=False):
+    """Worker: the element counts of every torch.distributed.all_reduce of one Megatron step (two MTP
+    depths, two microbatches), fix off and on, with a per-token and a plain loss."""
+    import torch
+
+    import mtp_overlay
+    from mtp_overlay.testing.megatron_step import MegatronStep
+    from mtp_overlay.testing.reproducers.mtp_cp_loss_scale import microbatch
+    from mtp_overlay.testing.tiny_gpt import build_tiny_gpt
+
+    calls, original = [], torch.distributed.all_reduce
+
+    def counting(tensor, *args, **kwargs):
+        calls.append(tensor.numel())
+        return original(tensor, *args, **kwargs)
+
+    counts = {}
+    for per_token, loss in ((False, "2-output"), (True, "3-output")):
+        model = build_tiny_gpt(sequence_parallel=sequence_parallel, mtp_num_layers=2, calculate_per_token_loss=per_token)
+        step = MegatronStep(model, optimizer=None)
+        for variant in ("stock", "fixed"):
+            (mtp_overlay.install if variant == "fixed" else mtp_overlay.uninstall)(only=["mtp-cp-loss-scale"])
+            calls.clear()
+            torch.distributed.all_reduce = counting
+            try:
+                step.step([microbatch("uneven"), microbatch("middle")], loss=loss, update=False)
+            finally:
+                torch.distributed.all_reduce = original
+            counts[loss, variant] = list(calls)
+    mtp_overlay.uninstall(only=["mtp-cp-loss-scale"])
+    return counts
+
+
 def everything(sequence_parallel=False):
     """Worker: the table (every mode and mask), the logged metrics with an 8-token vocabulary (non-zero
-    acceptance), and a MoE model with its aux loss: with the MTP loss, and with the MTP loss scaled
-    to zero (the MTP block then learns from its MoE layer's aux loss only)."""
+    acceptance), a MoE model with its aux loss: with the MTP loss, and with the MTP loss scaled
+    to zero (the MTP block then learns from its MoE layer's aux loss only), and the all-reduces."""
     return dict(
+        all_reduces=all_reduces(sequence_parallel),
         table=measure(sequence_parallel=sequence_parallel),
         metrics=measure(modes=METRICS_MODES, masks=["uneven"], sequence_parallel=sequence_parallel, vocab_size=8),
         moe=measure(modes=MOE_MODES, masks=["uneven"], sequence_parallel=sequence_parallel, **MOE),
@@ -53,7 +87,7 @@ def cp2():
 
 
 def rows(results):
-    return [(key, row) for part in results.values() for key, row in part.items()]
+    return [(key, row) for name, part in results.items() if name != "all_reduces" for key, row in part.items()]
 
 
 def test_at_cp1_the_fix_stands_aside(cp1):
@@ -112,6 +146,13 @@ def test_logged_metrics_equal_cp1(cp1, cp2):
             assert row[variant].mtp_acceptance == pytest.approx(reference.mtp_acceptance, rel=1e-9), key
         assert row["fixed"].mtp_losses == pytest.approx(reference.mtp_losses, rel=1e-6), key
         assert row["stock"].mtp_losses != pytest.approx(reference.mtp_losses, rel=1e-6), key
+
+
+def test_one_extra_all_reduce_of_two_scalars_per_mtp_depth_and_microbatch(cp1, cp2):
+    for loss in ("2-output", "3-output"):
+        stock, fixed = cp2["all_reduces"][loss, "stock"], cp2["all_reduces"][loss, "fixed"]
+        assert sorted(fixed) == sorted(stock + [2] * 4), (loss, stock, fixed)  # 2 depths x 2 microbatches
+        assert cp1["all_reduces"][loss, "fixed"] == cp1["all_reduces"][loss, "stock"]  # CP=1: none
 
 
 def test_moe_aux_loss_is_untouched(cp1, cp2):
