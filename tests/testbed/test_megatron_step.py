@@ -164,6 +164,13 @@ def test_tp2_cp2_sequence_parallel_matches_tp1_with_cp_loss_scale(tp1):
     check_layout(results[0], tp1, cp=True)
 
 
+@pytest.mark.gpu
+def test_cuda_tp1_matches_cpu(tp1):
+    result = run_ranks_checked(train, 1, fixes=[], device="cuda")[0]
+    for name, step in result["megatron"].items():
+        assert_same_step(step, tp1["megatron"][name], rel=1e-4)
+
+
 def check_layout(result, tp1, cp=False):
     for name, step in result["megatron"].items():
         # 3-output without per-token loss: the schedule divides by each CP rank's own count and DDP
