@@ -36,9 +36,9 @@ Usage (``fn`` must be a module-level function, its arguments and return value pi
   mtp_tokens, mtp_acceptance, grad_norm, group_grad_norms, zero_grad_params; identical on all ranks.
   ``batch`` is full-length (CP-sliced inside); ``forward_kwargs`` go to ``GPTModel.forward``
   verbatim (``labels=None``; a ``loss_mask`` for MTP, CP-local via ``cp_slice``). Gradients are
-  finalised the way Megatron's schedule does it (see its docstring): with an all-ones mask CP2
-  matches TP1 in losses exactly, in MTP gradients only to ~1e-3 (Megatron's per-CP-rank MTP token
-  normalisation); TP2+SP matches TP1 in everything.
+  finalised the way Megatron's schedule does it (see its docstring): TP2+SP matches TP1 in
+  everything; CP2 too with mtp-cp-loss-scale on (stock megatron-core normalises each CP rank's MTP
+  loss by its own token counts: MTP gradients and the logged MTP loss then differ).
 * ``megatron_step.MegatronStep(model, optimizer="megatron"|None)``: Megatron's own training step
   around any built megatron-core language model: DistributedDataParallel, ``get_forward_backward_func()``,
   ``finalize_model_grads``, megatron-core's Adam. ``.step(microbatches, loss="2-output"|"3-output"|

@@ -139,6 +139,8 @@ class MegatronStep:
         from megatron.core.pipeline_parallel import get_forward_backward_func
         from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
+        from .tiny_gpt import cp_slice, logged_mtp_metrics
+
         per_token = bool(self.config.calculate_per_token_loss)
         check_step_arguments(microbatches, loss, labels, mtp_grad_scale, per_token, update, self.optimizer)
         cp_group = parallel_state.get_context_parallel_group()
@@ -172,8 +174,6 @@ class MegatronStep:
                 output = model_forward.compute_language_model_loss(batch["labels"], output.transpose(0, 1).contiguous())
             return output, functools.partial(loss_function, batch["loss_mask"])
 
-        from .tiny_gpt import cp_slice
-
         local = [{key: value.to(device) for key, value in cp_slice(batch).items()} for batch in microbatches]
         self.model.zero_grad_buffer()
         if self.optimizer is not None:
@@ -198,7 +198,7 @@ class MegatronStep:
 
         lm_totals = torch.stack([report["lm loss"].double() for report in reports]).sum(0)
         torch.distributed.all_reduce(lm_totals, group=dp_cp_group)
-        mtp = _logged_mtp_metrics(MTPLossLoggingHelper, len(local), dp_cp_group)
+        mtp = logged_mtp_metrics(len(local), dp_cp_group)
         grads = _finalized_grads(model_forward)
         update_norm = None
         if update and self.optimizer is not None:
@@ -301,26 +301,6 @@ def _unwrapped(model):
     while hasattr(model, "module"):
         model = model.module
     return model
-
-
-def _logged_mtp_metrics(helper, num_microbatches, dp_cp_group):
-    """What Megatron logs per MTP depth, and the valid-position counts behind it; cleans the tracker."""
-    import torch
-
-    from ..mtp import mtp_metrics
-
-    tracker = helper.tracker
-    if "total_values" not in tracker:
-        return dict(mtp_losses=(), mtp_tokens=(), mtp_acceptance=())
-    tokens = tracker["total_values"].clone()
-    torch.distributed.all_reduce(tokens, group=dp_cp_group)
-    metrics = mtp_metrics(num_microbatches)
-    depths = range(1, len(tokens) + 1)
-    return dict(
-        mtp_losses=tuple(metrics.get(f"mtp_{i}_loss", 0.0) for i in depths),
-        mtp_tokens=tuple(tokens.tolist()),
-        mtp_acceptance=tuple(metrics.get(f"mtp_{i}_acceptance_rate", 0.0) for i in depths),
-    )
 
 
 def _full_flat(model, tensor_of):

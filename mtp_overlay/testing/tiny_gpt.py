@@ -121,9 +121,11 @@ class StepResult:
     """Plain numbers from one ``train_step``, identical on every rank.
 
     lm_loss: mean LM loss over the batch's ``loss_mask`` tokens of the whole (CP-gathered) sequence.
-    mtp_losses, mtp_tokens, mtp_acceptance: per MTP depth, from Megatron's MTPLossLoggingHelper
-      tracker: the token-weighted mean loss over valid positions of the whole sequence, their count,
-      and the acceptance rate in percent (empty when the tracker recorded nothing).
+    mtp_losses, mtp_tokens, mtp_acceptance: per MTP depth, what Megatron logs from its
+      MTPLossLoggingHelper tracker (`logged_mtp_metrics`): the loss (under CP, stock megatron-core
+      logs the mean of the CP ranks' own means, Megatron-LM PR #7498; mtp-cp-loss-scale makes it the
+      whole sequence's mean), the valid positions, the acceptance rate in percent (empty when the
+      tracker recorded nothing).
     grad_norm, group_grad_norms: L2 norm of the finalized gradients (TP shards gathered), for the
       whole model and per top-level module (embedding, decoder, mtp, output_layer).
     zero_grad_params: names of parameters whose gradient is missing or all zero on every TP rank.
@@ -199,7 +201,7 @@ def train_step(model, batch, **forward_kwargs):
     divisor = lm_totals[1].clamp(min=1) if config.calculate_per_token_loss else dist.get_world_size(dp_cp)
     _finalize_grads(model, dp_cp, divisor)
 
-    mtp = _read_mtp_tracker(MTPLossLoggingHelper, dp_cp)
+    mtp = logged_mtp_metrics(1, dp_cp)
     grad_facts = _grad_facts(model)
     return StepResult(lm_loss=(lm_totals[0] / lm_totals[1].clamp(min=1)).item(), **mtp, **grad_facts)
 
@@ -227,25 +229,29 @@ def _finalize_grads(model, dp_cp, divisor):
             dist.all_reduce(param.grad, group=tp_group)
 
 
-def _read_mtp_tracker(helper, dp_cp):
-    """Token-weighted MTP loss, token count and acceptance per depth from the tracker; clears it."""
-    import torch
-    import torch.distributed as dist
+def logged_mtp_metrics(num_microbatches, dp_cp_group):
+    """What Megatron logs per MTP depth, and the valid positions behind it; cleans the tracker.
 
-    tracker = helper.tracker
-    if "loss_values" not in tracker:
+    mtp_losses and mtp_acceptance come from `mtp_overlay.mtp.mtp_metrics` (MTPLossLoggingHelper's own
+    reduction: the loss averaged over the DP x CP ranks and microbatches, acceptance from the summed
+    counts); mtp_tokens are the tracker's valid positions summed over DP x CP.
+    """
+    import torch
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    from ..mtp import mtp_metrics
+
+    tracker = MTPLossLoggingHelper.tracker
+    if "total_values" not in tracker:
         return dict(mtp_losses=(), mtp_tokens=(), mtp_acceptance=())
-    # loss_values hold each rank's mean over its total_values valid positions
-    totals = torch.stack(
-        [tracker["loss_values"] * tracker["total_values"], tracker["total_values"], tracker["correct_values"]]
-    )
-    dist.all_reduce(totals, group=dp_cp)
-    helper.clean_metrics_in_tracker()
-    weighted, tokens, correct = totals.tolist()
+    tokens = tracker["total_values"].clone()
+    torch.distributed.all_reduce(tokens, group=dp_cp_group)
+    metrics = mtp_metrics(num_microbatches)
+    depths = range(1, len(tokens) + 1)
     return dict(
-        mtp_losses=tuple(w / max(t, 1.0) for w, t in zip(weighted, tokens)),
-        mtp_tokens=tuple(tokens),
-        mtp_acceptance=tuple(100.0 * c / max(t, 1.0) for c, t in zip(correct, tokens)),
+        mtp_losses=tuple(metrics.get(f"mtp_{i}_loss", 0.0) for i in depths),
+        mtp_tokens=tuple(tokens.tolist()),
+        mtp_acceptance=tuple(metrics.get(f"mtp_{i}_acceptance_rate", 0.0) for i in depths),
     )
 
 
