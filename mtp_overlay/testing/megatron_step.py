@@ -148,9 +148,11 @@ class MegatronStep:
         dp_cp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
         device = next(self.model.parameters()).device
 
-        valid_tokens = sum(batch["loss_mask"].double().sum() for batch in microbatches).to(device)
-        torch.distributed.all_reduce(valid_tokens, group=dp_group)
-        valid_tokens = max(valid_tokens.item(), 1.0)
+        valid_tokens = None  # NeMo-RL's normaliser: the step's LM tokens over all data-parallel ranks
+        if loss == "nemo-rl" or mtp_grad_scale == GLOBAL_VALID_TOKENS:
+            valid_tokens = sum(batch["loss_mask"].double().sum() for batch in microbatches).to(device)
+            torch.distributed.all_reduce(valid_tokens, group=dp_group)
+            valid_tokens = max(valid_tokens.item(), 1.0)
         loss_function = {
             "3-output": three_output_loss,
             "2-output": functools.partial(two_output_loss, cp_group),
@@ -178,7 +180,7 @@ class MegatronStep:
         self.model.zero_grad_buffer()
         if self.optimizer is not None:
             self.optimizer.zero_grad()
-        MTPLossLoggingHelper.clean_metrics_in_tracker()
+        MTPLossLoggingHelper.tracker.clear()  # fresh, sized by this model's MTP depth on first use
         previous_scale = self.config.mtp_grad_scale_func
         if mtp_grad_scale is not None:
             scale = 1.0 / valid_tokens if mtp_grad_scale == GLOBAL_VALID_TOKENS else float(mtp_grad_scale)
@@ -201,7 +203,7 @@ class MegatronStep:
         mtp = logged_mtp_metrics(len(local), dp_cp_group)
         grads = _finalized_grads(model_forward)
         update_norm = None
-        if update and self.optimizer is not None:
+        if update:
             update_norm = self._optimizer_step()
         return MegatronStepResult(
             lm_loss=(lm_totals[0] / lm_totals[1].clamp(min=1)).item(), update_norm=update_norm, **mtp, **grads

@@ -180,7 +180,7 @@ def train_step(model, batch, **forward_kwargs):
     dp_cp = parallel_state.get_data_parallel_group(with_context_parallel=True)
 
     model.zero_grad(set_to_none=True)
-    MTPLossLoggingHelper.clean_metrics_in_tracker()
+    MTPLossLoggingHelper.tracker.clear()  # fresh, sized by this model's MTP depth on first use
     output = model(**inputs)
     if inputs["labels"] is None:  # logits [b, s, v/tp]: the trainer's own loss
         output = model.compute_language_model_loss(local["labels"], output.transpose(0, 1).contiguous())
