@@ -82,8 +82,9 @@ class Provenance:
 
 class Marker:
     """The sign that upstream carries a fix's behaviour: ``function`` of ``module`` references
-    ``calls``. Read from the live function by the probe and from the file on disk by the patch
-    engine, through the same check, so the two can never disagree on what "redundant" means."""
+    ``calls``, itself or through the functions of its own module it calls (upstream may move a fix
+    into a helper). Read from the live code by the probe and from the file on disk by the patch
+    engine, through the same walk, so the two never disagree on what "redundant" means."""
 
     __slots__ = ("module", "function", "calls")
 
@@ -96,30 +97,55 @@ class Marker:
         return self.module.replace(".", "/") + ".py"
 
     def in_function(self, function):
-        """Whether ``function`` (any wrappers around it are looked through) references ``calls``."""
+        """Whether ``function`` (wrappers looked through, ours included) reaches ``calls``."""
         import inspect
 
-        return self._references(inspect.unwrap(function).__code__)
+        function = inspect.unwrap(function)
+        namespace, home = function.__globals__, function.__module__
+
+        def local_function(name):
+            found = namespace.get(name)
+            found = inspect.unwrap(found) if callable(found) else None
+            return found.__code__ if getattr(found, "__module__", None) == home and hasattr(found, "__code__") else None
+
+        return self._reaches(function.__code__, local_function, set())
 
     def in_source(self, source, filename="<source>"):
-        """Whether ``source`` (the module's text or bytes) defines ``function`` referencing ``calls``."""
+        """Whether ``source`` (the module's text or bytes) defines ``function`` reaching ``calls``."""
         try:
             code = compile(source, filename, "exec", dont_inherit=True)
         except (SyntaxError, ValueError):
             return False
-        return any(self._references(found) for found in _functions_named(code, self.function.split(".")))
+        top = {const.co_name: const for const in code.co_consts if _is_function(const)}
+        return any(self._reaches(found, top.get, set()) for found in _functions_named(code, self.function.split(".")))
 
-    def _references(self, code):
-        return self.calls in code.co_names
+    def _reaches(self, code, local_function, seen):
+        if id(code) in seen:
+            return False
+        seen.add(id(code))
+        if self.calls in code.co_names:
+            return True
+        inner = [const for const in code.co_consts if _is_function(const)]
+        inner += [found for found in map(local_function, code.co_names) if found is not None]
+        return any(self._reaches(found, local_function, seen) for found in inner)
 
     def __str__(self):
         return f"{self.function} already calls {self.calls}"
 
 
+def _is_code(value):
+    return hasattr(value, "co_names") and hasattr(value, "co_consts")
+
+
+def _is_function(value):
+    """A function's code (lambdas and comprehensions too), not a class body's."""
+    return _is_code(value) and bool(value.co_flags & 0x1)  # CO_OPTIMIZED
+
+
 def _functions_named(code, path):
     """Code objects reached from module ``code`` by the qualified name ``path`` (nested classes/functions)."""
     for const in code.co_consts:
-        if hasattr(const, "co_name") and const.co_name == path[0]:
+        if _is_code(const) and const.co_name == path[0]:
             if len(path) == 1:
                 yield const
             else:

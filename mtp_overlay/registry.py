@@ -12,6 +12,14 @@ from . import hooks
 FIXES = [
     ("mtp-sp-scatter", ("megatron.core.transformer.multi_token_prediction",)),
     ("mtp-loss-mask", ("megatron.core.models.gpt.gpt_model", "megatron.core.models.hybrid.hybrid_model")),
+    (
+        "mtp-cp-loss-scale",
+        (
+            "megatron.core.transformer.multi_token_prediction",
+            "megatron.core.models.gpt.gpt_model",
+            "megatron.core.models.hybrid.hybrid_model",
+        ),
+    ),
     ("hf-modules-cache", ("ray",)),
     (
         "device-normalized-broadcast",

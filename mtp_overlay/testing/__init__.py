@@ -45,11 +45,19 @@ Usage (``fn`` must be a module-level function, its arguments and return value pi
   mtp_tokens, mtp_acceptance, grad_norm, group_grad_norms, zero_grad_params; identical on all ranks.
   ``batch`` is full-length (CP-sliced inside); ``forward_kwargs`` go to ``GPTModel.forward``
   verbatim (``labels=None``; a ``loss_mask`` for MTP, CP-local via ``cp_slice``). Gradients are
-  finalised the way Megatron's schedule does it (see its docstring): with an all-ones mask CP2
-  matches TP1 in losses exactly, in MTP gradients only to ~1e-3 (Megatron's per-CP-rank MTP token
-  normalisation); TP2+SP matches TP1 in everything.
-* ``cpu_shims``: the CPU stand-ins (HybridStack's TE final norm, TE's CP and THD attention, ...),
-  installed by ``run_ranks`` on CPU; test
+  finalised the way Megatron's schedule does it (see its docstring): TP2+SP matches TP1 in
+  everything; CP2 too with mtp-cp-loss-scale on (stock megatron-core normalises each CP rank's MTP
+  loss by its own token counts: MTP gradients and the logged MTP loss then differ).
+* ``megatron_step.MegatronStep(model, optimizer="megatron"|None)``: Megatron's own training step
+  around any built megatron-core language model: DistributedDataParallel, ``get_forward_backward_func()``,
+  ``finalize_model_grads``, megatron-core's Adam. ``.step(microbatches, loss="2-output"|"3-output"|
+  "nemo-rl", labels=True|False, mtp_grad_scale=None|x|"global-valid-tokens", update=True)`` ->
+  ``MegatronStepResult``: lm_loss, logged mtp_losses / mtp_acceptance, mtp_tokens, ``grads``
+  ({"mtp", "lm"}: flat TP-gathered numpy arrays, ``relative_error(reference, part)``), grad norms,
+  update_norm. ``tiny_gpt.train_step`` is its hand-written imitation; both agree at TP1.
+* ``reproducers.<fix_id>.reproduce() -> (bug_shows, evidence)``: a fix's stock path with the fix off.
+* ``cpu_shims``: the CPU stand-ins (HybridStack's TE final norm, TE's CP and THD attention, DDP's
+  stream, the schedule's CUDA tensors, Bridge's TE import), installed by the launcher on CPU; test
   scaffolding only, ``cpu_shims()`` context manager or ``install()`` / ``uninstall()``.
 * ``releases``: other upstream releases side by side (``release_site``, ``copy_installed``,
   ``run_with_release``); ``streams``: CUDA-stream and communicator stand-ins for vLLM's producer;

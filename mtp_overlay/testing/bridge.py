@@ -36,6 +36,7 @@ import contextlib
 import dataclasses
 import functools
 import importlib.util
+
 from .tiny_hybrid import local_hybrid_stack_spec
 
 KINDS = ("qwen3", "nemotron_h")

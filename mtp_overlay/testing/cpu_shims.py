@@ -33,6 +33,17 @@ Megatron-Bridge 0.6 on a machine without Transformer Engine (scoped, used by ``t
 * ``bridge_local_mtp_spec()``: ``GPTModelProvider.provide()`` builds its MTP block through
   ``gpt_provider.mtp_block_spec``, which calls ``get_gpt_mtp_block_spec(..., use_transformer_engine=True)``
   whatever the layer spec: inside the block that call builds the local (non-TE) MTP spec.
+
+Megatron's own training step (``mtp_overlay.testing.megatron_step``):
+
+* DistributedDataParallel's gradient sync orders itself against ``torch.cuda.current_stream()``:
+  it gets a stream whose waits are no-ops (CPU work is synchronous).
+* The pipeline schedules allocate their token counter with ``torch.zeros(..., device="cuda")``, the
+  FP32 optimizer its loss scale with ``torch.tensor(..., device="cuda")``, the gradient-norm code its
+  accumulators the same way: those three modules see a ``torch`` whose tensor factories build on the
+  CPU when asked for ``"cuda"``; the gradient norm's multi-tensor L2 norm (megatron-core's local
+  fallback returns it on "cuda") runs on the CPU. (Gradient clipping itself asserts CUDA tensor
+  types: the test bed's optimizer does not clip.)
 """
 
 import builtins
@@ -91,6 +102,8 @@ def shims():
     from megatron.core.fusions import fused_softmax
     from megatron.core.models.common.embeddings import rope_utils, rotary_pos_embedding
     from megatron.core.models.common.embeddings import yarn_rotary_pos_embedding
+    from megatron.core.optimizer import clip_grads, optimizer
+    from megatron.core.pipeline_parallel import schedules
     from megatron.core.tensor_parallel import random
     from megatron.core.transformer import dot_product_attention, torch_norm, utils
 
@@ -155,6 +168,11 @@ def shims():
         Shim(rope_utils, "get_pos_emb_on_this_cp_rank", _pos_emb_on_this_cp_rank),
         Shim(rotary_pos_embedding, "get_pos_emb_on_this_cp_rank", _pos_emb_on_this_cp_rank),
         Shim(yarn_rotary_pos_embedding, "get_pos_emb_on_this_cp_rank", _pos_emb_on_this_cp_rank),
+        Shim(torch.cuda, "current_stream", _cpu_stream),
+        Shim(schedules, "torch", _CpuTensorFactories()),
+        Shim(optimizer, "torch", _CpuTensorFactories()),
+        Shim(clip_grads, "torch", _CpuTensorFactories()),
+        Shim(clip_grads, "l2_norm_impl", _cpu_l2_norm),
     ]
 
 
@@ -171,6 +189,76 @@ def _cpu_device():
     import torch
 
     return torch.device("cpu")
+
+
+class _CpuStream:
+    """The current "CUDA" stream on a CPU: work is synchronous, so there is nothing to wait for."""
+
+    def wait_event(self, event):
+        pass
+
+    def wait_stream(self, stream):
+        pass
+
+    def synchronize(self):
+        pass
+
+
+def _cpu_stream(device=None):
+    return _CpuStream()
+
+
+class _CpuTensorFactories(types.ModuleType):
+    """``torch`` as one upstream module sees it: a factory asked for device "cuda" builds on the CPU.
+
+    Everything else is torch's own attribute (looked up on each access).
+    """
+
+    def __init__(self):
+        super().__init__("torch")
+
+    def __getattr__(self, name):
+        import torch
+
+        return getattr(torch, name)
+
+    @staticmethod
+    def _on_cpu(factory, args, kwargs):
+        import torch
+
+        device = kwargs.get("device")
+        if device is not None and torch.device(device).type == "cuda":
+            kwargs = dict(kwargs, device="cpu")
+        return factory(*args, **kwargs)
+
+    def zeros(self, *args, **kwargs):
+        import torch
+
+        return self._on_cpu(torch.zeros, args, kwargs)
+
+    def ones(self, *args, **kwargs):
+        import torch
+
+        return self._on_cpu(torch.ones, args, kwargs)
+
+    def empty(self, *args, **kwargs):
+        import torch
+
+        return self._on_cpu(torch.empty, args, kwargs)
+
+    def tensor(self, *args, **kwargs):
+        import torch
+
+        return self._on_cpu(torch.tensor, args, kwargs)
+
+
+def _cpu_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
+    """megatron-core's multi-tensor L2 norm contract: (norm of all tensors as a [1] tensor, None)."""
+    import torch
+
+    norms = [torch.linalg.vector_norm(tensor.float()) for tensors in tensor_lists for tensor in tensors]
+    total = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
+    return total.reshape(1), None
 
 
 def _add_cpu_rng_state(self, name, seed):

@@ -27,8 +27,9 @@ def build_tiny_gpt(
     """A GPTModel (local spec, RoPE, no dropout) with ``mtp_num_layers`` MTP layers.
 
     TP and CP sizes come from ``parallel_state``. ``config_overrides`` go to TransformerConfig
-    (e.g. ``mtp_detach_heads=True``, ``calculate_per_token_loss=True``);
-    ``scatter_embedding_sequence_parallel`` goes to GPTModel.
+    (e.g. ``mtp_detach_heads=True``, ``calculate_per_token_loss=True``; ``num_moe_experts`` also
+    makes every MLP, the MTP layer's included, a local-spec MoE); ``scatter_embedding_sequence_parallel``
+    goes to GPTModel.
     """
     import torch
     from megatron.core import parallel_state
@@ -49,7 +50,7 @@ def build_tiny_gpt(
         attention_dropout=0.0,
     )
     config = TransformerConfig(**{**settings, **config_overrides})
-    layer_spec = get_gpt_layer_local_spec()
+    layer_spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False)
     mtp_spec = None
     if mtp_num_layers:
         mtp_spec = get_gpt_mtp_block_spec(config, layer_spec, use_transformer_engine=False)
@@ -120,9 +121,11 @@ class StepResult:
     """Plain numbers from one ``train_step``, identical on every rank.
 
     lm_loss: mean LM loss over the batch's ``loss_mask`` tokens of the whole (CP-gathered) sequence.
-    mtp_losses, mtp_tokens, mtp_acceptance: per MTP depth, from Megatron's MTPLossLoggingHelper
-      tracker: the token-weighted mean loss over valid positions of the whole sequence, their count,
-      and the acceptance rate in percent (empty when the tracker recorded nothing).
+    mtp_losses, mtp_tokens, mtp_acceptance: per MTP depth, what Megatron logs from its
+      MTPLossLoggingHelper tracker (`logged_mtp_metrics`): the loss (under CP, stock megatron-core
+      logs the mean of the CP ranks' own means, Megatron-LM PR #7498; mtp-cp-loss-scale makes it the
+      whole sequence's mean), the valid positions, the acceptance rate in percent (empty when the
+      tracker recorded nothing).
     grad_norm, group_grad_norms: L2 norm of the finalized gradients (TP shards gathered), for the
       whole model and per top-level module (embedding, decoder, mtp, output_layer).
     zero_grad_params: names of parameters whose gradient is missing or all zero on every TP rank.
@@ -177,7 +180,7 @@ def train_step(model, batch, **forward_kwargs):
     dp_cp = parallel_state.get_data_parallel_group(with_context_parallel=True)
 
     model.zero_grad(set_to_none=True)
-    MTPLossLoggingHelper.clean_metrics_in_tracker()
+    MTPLossLoggingHelper.tracker.clear()  # fresh, sized by this model's MTP depth on first use
     output = model(**inputs)
     if inputs["labels"] is None:  # logits [b, s, v/tp]: the trainer's own loss
         output = model.compute_language_model_loss(local["labels"], output.transpose(0, 1).contiguous())
@@ -198,7 +201,7 @@ def train_step(model, batch, **forward_kwargs):
     divisor = lm_totals[1].clamp(min=1) if config.calculate_per_token_loss else dist.get_world_size(dp_cp)
     _finalize_grads(model, dp_cp, divisor)
 
-    mtp = _read_mtp_tracker(MTPLossLoggingHelper, dp_cp)
+    mtp = logged_mtp_metrics(1, dp_cp)
     grad_facts = _grad_facts(model)
     return StepResult(lm_loss=(lm_totals[0] / lm_totals[1].clamp(min=1)).item(), **mtp, **grad_facts)
 
@@ -226,25 +229,29 @@ def _finalize_grads(model, dp_cp, divisor):
             dist.all_reduce(param.grad, group=tp_group)
 
 
-def _read_mtp_tracker(helper, dp_cp):
-    """Token-weighted MTP loss, token count and acceptance per depth from the tracker; clears it."""
-    import torch
-    import torch.distributed as dist
+def logged_mtp_metrics(num_microbatches, dp_cp_group):
+    """What Megatron logs per MTP depth, and the valid positions behind it; cleans the tracker.
 
-    tracker = helper.tracker
-    if "loss_values" not in tracker:
+    mtp_losses and mtp_acceptance come from `mtp_overlay.mtp.mtp_metrics` (MTPLossLoggingHelper's own
+    reduction: the loss averaged over the DP x CP ranks and microbatches, acceptance from the summed
+    counts); mtp_tokens are the tracker's valid positions summed over DP x CP.
+    """
+    import torch
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    from ..mtp import mtp_metrics
+
+    tracker = MTPLossLoggingHelper.tracker
+    if "total_values" not in tracker:
         return dict(mtp_losses=(), mtp_tokens=(), mtp_acceptance=())
-    # loss_values hold each rank's mean over its total_values valid positions
-    totals = torch.stack(
-        [tracker["loss_values"] * tracker["total_values"], tracker["total_values"], tracker["correct_values"]]
-    )
-    dist.all_reduce(totals, group=dp_cp)
-    helper.clean_metrics_in_tracker()
-    weighted, tokens, correct = totals.tolist()
+    tokens = tracker["total_values"].clone()
+    torch.distributed.all_reduce(tokens, group=dp_cp_group)
+    metrics = mtp_metrics(num_microbatches)
+    depths = range(1, len(tokens) + 1)
     return dict(
-        mtp_losses=tuple(w / max(t, 1.0) for w, t in zip(weighted, tokens)),
-        mtp_tokens=tuple(tokens),
-        mtp_acceptance=tuple(100.0 * c / max(t, 1.0) for c, t in zip(correct, tokens)),
+        mtp_losses=tuple(metrics.get(f"mtp_{i}_loss", 0.0) for i in depths),
+        mtp_tokens=tuple(tokens.tolist()),
+        mtp_acceptance=tuple(metrics.get(f"mtp_{i}_acceptance_rate", 0.0) for i in depths),
     )
 
 

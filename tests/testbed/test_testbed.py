@@ -20,8 +20,7 @@ BATCH_SIZE = 2
 
 # Masking MTP position 8 (its depth-1 target, token 9, sits on CP rank 1) balances the sequence's last
 # position, which has no target and sits on CP rank 0: both CP ranks then hold 15 valid MTP positions
-# per row, Megatron's per-rank MTP normalisation agrees with the global one and every gradient must
-# match TP1's (which checks the shimmed CP attention's backward through the K/V all-gather too).
+# per row, so even stock megatron-core's per-rank MTP normalisation agrees with the global one.
 BALANCING_MASK_ZERO = 9
 STEPS = ("default", "balanced", "rl")
 
@@ -102,13 +101,11 @@ def test_tp2_sequence_parallel_matches_tp1(tp1):
 
 
 def test_cp2_matches_tp1(tp1, cp2):
-    assert_same_step(cp2["balanced"], tp1["balanced"])
-    # otherwise the losses are exact, the MTP gradients not quite, as Megatron normalises each CP
-    # rank's MTP loss by its own valid-token count (rank 0 holds the positions without a target)
-    for step in ("default", "rl"):
-        assert_same_step(cp2[step], tp1[step], grads=False)
-        assert cp2[step].grad_norm == pytest.approx(tp1[step].grad_norm, rel=1e-3)
-        assert cp2[step].grad_norm != pytest.approx(tp1[step].grad_norm, rel=1e-6)
+    # every step, gradients included: the overlay's mtp-cp-loss-scale normalises the MTP loss by the
+    # whole sequence's token counts (stock megatron-core uses each CP rank's own: rank 0 holds the
+    # positions without a target; tests/fixes/mtp_cp_loss_scale shows both)
+    for step in STEPS:
+        assert_same_step(cp2[step], tp1[step])
 
 
 @pytest.mark.slow

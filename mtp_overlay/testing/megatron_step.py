@@ -1,0 +1,344 @@
+"""Megatron's own training step around a built model: DDP, the schedule, finalize_model_grads, an optimizer.
+
+``tiny_gpt.train_step`` imitates Megatron's gradient arithmetic by hand; this step *is* Megatron's:
+
+* the model is wrapped in megatron-core's ``DistributedDataParallel`` (grad buffers, bucketed
+  data+context-parallel reduction with its own scaling factor);
+* microbatches go through ``get_forward_backward_func()`` (loss-function shapes, the MTP/MoE loss
+  scales, microbatch averaging, the per-token token counter are the schedule's own);
+* ``finalize_model_grads`` is ``config.finalize_model_grads_func`` (DP/CP sync, sequence-parallel
+  norm grads over TP, per-token division);
+* megatron-core's ``get_megatron_optimizer`` (Adam, FP32, no gradient clipping: Megatron's clipping
+  asserts CUDA tensor types) steps the weights.
+
+Loss functions are shaped like Megatron-LM's ``pretrain_gpt.loss_func``:
+
+* ``"3-output"``: ``(loss sum, token count, {"lm loss": [sum, count]})``; the schedule divides by the
+  rank's own count (``calculate_per_token_loss=False``) or finalize_model_grads by the global count.
+* ``"2-output"``: the legacy shape, ``(CP-global mean, {"lm loss": [sum, count]})``: the value is the
+  mean over the whole sequence, its gradient flows through this rank's tokens only; the schedule
+  multiplies it by the CP size and DDP averages over DP x CP (``calculate_per_token_loss=False``).
+* ``"nemo-rl"``: NeMo-RL's per-token flow (``calculate_per_token_loss=True``): each rank's loss sum
+  over the step's global valid-token count, multiplied by num_microbatches / CP size to undo the
+  schedule's 2-output scaling; DDP sums, finalize_model_grads divides by 1 (a 2-output loss counts
+  no tokens).
+
+Call inside ``run_ranks`` workers (model parallelism initialised; on CPU the shims installed). The
+model is any built megatron-core language model with MTP (GPTModel, HybridModel): the step only
+calls its forward and ``compute_language_model_loss``.
+"""
+
+import dataclasses
+import functools
+import math
+
+LOSS_SHAPES = ("2-output", "3-output", "nemo-rl")
+OPTIMIZERS = ("megatron", None)
+GLOBAL_VALID_TOKENS = "global-valid-tokens"
+MICROBATCH_KEYS = ("input_ids", "labels", "position_ids", "loss_mask")
+
+
+@dataclasses.dataclass(frozen=True)
+class MegatronStepResult:
+    """Plain numbers from one `MegatronStep.step`, identical on every rank.
+
+    lm_loss: token-weighted LM loss over the step (all microbatches, DP x CP), from the loss
+      function's "lm loss" reports.
+    mtp_losses, mtp_acceptance: per MTP depth, what Megatron logs (`mtp_overlay.mtp.mtp_metrics`
+      over MTPLossLoggingHelper's tracker): ``mtp/mtp_{i}_loss`` and the acceptance rate in percent.
+    mtp_tokens: per depth, the tracker's valid MTP positions summed over DP x CP.
+    grads: ``{"mtp": ..., "lm": ...}``: the finalized gradients (DDP's ``main_grad``, TP shards
+      gathered to full tensors) of the MTP block and of everything else, flattened in parameter
+      order into float32 numpy arrays (numpy, not torch: torch tensors cross process boundaries
+      through shared memory that dies with the rank): comparable across TP/CP layouts.
+    grad_norm, group_grad_norms: L2 norms of those gradients, whole model and per top-level module.
+    zero_grad_params: parameters whose gradient is all zero.
+    update_norm: L2 norm of the optimizer's weight update (None without an optimizer step).
+    """
+
+    lm_loss: float
+    mtp_losses: tuple
+    mtp_tokens: tuple
+    mtp_acceptance: tuple
+    grads: dict
+    grad_norm: float
+    group_grad_norms: dict
+    zero_grad_params: tuple
+    update_norm: float | None
+
+    @property
+    def mtp_loss(self):
+        """The first MTP depth's logged loss."""
+        return self.mtp_losses[0]
+
+    def relative_error(self, reference, part):
+        """``|g - g_ref| / |g_ref|`` of gradient ``part`` ("mtp" or "lm") against ``reference``."""
+        return relative_error(self.grads[part], reference.grads[part])
+
+
+def relative_error(gradient, reference):
+    """``|gradient - reference| / |reference|`` of two flat arrays, in float64 (the absolute
+    difference when the reference is zero)."""
+    import numpy
+
+    gradient, reference = numpy.asarray(gradient, dtype=numpy.float64), numpy.asarray(reference, dtype=numpy.float64)
+    if gradient.shape != reference.shape:
+        raise ValueError(f"gradients of different shapes: {gradient.shape} vs {reference.shape}")
+    scale = float(numpy.linalg.norm(reference))
+    difference = float(numpy.linalg.norm(gradient - reference))
+    return difference / scale if scale else difference
+
+
+class MegatronStep:
+    """A built model wrapped for Megatron's training step; `step` runs one.
+
+    ``model``: a megatron-core language model (its config's ``calculate_per_token_loss`` is fixed
+    from here on: DDP derives its gradient scaling from it). ``optimizer``: "megatron" (megatron-core's
+    Adam through ``get_megatron_optimizer``) or None (gradients only). ``ddp_config``: a
+    ``DistributedDataParallelConfig`` (default: megatron-core's defaults).
+    """
+
+    def __init__(self, model, *, optimizer="megatron", lr=1e-3, ddp_config=None):
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+            finalize_model_grads,
+        )
+
+        if optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
+        self.config = model.config
+        self.model = DistributedDataParallel(self.config, ddp_config or DistributedDataParallelConfig(), model)
+        self.config.finalize_model_grads_func = finalize_model_grads
+        self.optimizer = None
+        if optimizer == "megatron":
+            from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+            settings = OptimizerConfig(optimizer="adam", lr=lr, clip_grad=0.0, bf16=False, fp16=False)
+            self.optimizer = get_megatron_optimizer(settings, [self.model])
+
+    def step(self, microbatches, *, loss="3-output", labels=True, mtp_grad_scale=None, update=True):
+        """One training step over ``microbatches``; returns a MegatronStepResult.
+
+        microbatches: this data-parallel rank's microbatches, each a dict of full-length [mbs, seq]
+          tensors (CP-sliced here): ``input_ids``, ``labels``, ``position_ids``, ``loss_mask``
+          (label-aligned: the LM loss's mask; with labels also Megatron's MTP mask) and, for
+          ``labels=False`` only, an optional ``mtp_loss_mask`` (input_ids-aligned, passed to the
+          model as ``loss_mask``: the RL convention).
+        loss: one of LOSS_SHAPES (module docstring).
+        labels: True: the model computes the LM loss from ``labels`` (SFT / pretraining). False: the
+          RL forward: the model gets no labels, returns logits, and the LM loss is computed here
+          with the model's ``compute_language_model_loss``; Megatron derives the MTP labels.
+        mtp_grad_scale: None, a positive number (a constant ``config.mtp_grad_scale_func``), or
+          "global-valid-tokens" (NeMo-RL: ``1 / global valid LM tokens`` of the step, summed over
+          microbatches and data-parallel ranks). Set for this step only, reset after.
+        update: run the optimizer step (and zero the gradient buffers first in every case).
+        """
+        import torch
+        from megatron.core import parallel_state
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+        from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+        from .tiny_gpt import cp_slice, logged_mtp_metrics
+
+        per_token = bool(self.config.calculate_per_token_loss)
+        check_step_arguments(microbatches, loss, labels, mtp_grad_scale, per_token, update, self.optimizer)
+        cp_group = parallel_state.get_context_parallel_group()
+        dp_group = parallel_state.get_data_parallel_group()
+        dp_cp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+        device = next(self.model.parameters()).device
+
+        valid_tokens = None  # NeMo-RL's normaliser: the step's LM tokens over all data-parallel ranks
+        if loss == "nemo-rl" or mtp_grad_scale == GLOBAL_VALID_TOKENS:
+            valid_tokens = sum(batch["loss_mask"].double().sum() for batch in microbatches).to(device)
+            torch.distributed.all_reduce(valid_tokens, group=dp_group)
+            valid_tokens = max(valid_tokens.item(), 1.0)
+        loss_function = {
+            "3-output": three_output_loss,
+            "2-output": functools.partial(two_output_loss, cp_group),
+            "nemo-rl": functools.partial(
+                nemo_rl_loss, valid_tokens, len(microbatches), torch.distributed.get_world_size(cp_group)
+            ),
+        }[loss]
+        model_forward = _unwrapped(self.model)
+
+        def forward_step(data_iterator, model):
+            batch = next(data_iterator)
+            inputs = dict(input_ids=batch["input_ids"], position_ids=batch["position_ids"], attention_mask=None)
+            if labels:
+                inputs.update(labels=batch["labels"], loss_mask=batch["loss_mask"])
+            else:
+                inputs.update(labels=None)
+                if batch.get("mtp_loss_mask") is not None:
+                    inputs.update(loss_mask=batch["mtp_loss_mask"])
+            output = model(**inputs)
+            if not labels:  # logits [b, s, v/tp]: the trainer's own LM loss
+                output = model_forward.compute_language_model_loss(batch["labels"], output.transpose(0, 1).contiguous())
+            return output, functools.partial(loss_function, batch["loss_mask"])
+
+        local = [{key: value.to(device) for key, value in cp_slice(batch).items()} for batch in microbatches]
+        self.model.zero_grad_buffer()
+        if self.optimizer is not None:
+            self.optimizer.zero_grad()
+        MTPLossLoggingHelper.tracker.clear()  # fresh, sized by this model's MTP depth on first use
+        previous_scale = self.config.mtp_grad_scale_func
+        if mtp_grad_scale is not None:
+            scale = 1.0 / valid_tokens if mtp_grad_scale == GLOBAL_VALID_TOKENS else float(mtp_grad_scale)
+            self.config.mtp_grad_scale_func = lambda: scale
+        try:
+            reports = get_forward_backward_func()(
+                forward_step_func=forward_step,
+                data_iterator=iter(local),
+                model=[self.model],
+                num_microbatches=len(local),
+                seq_length=local[0]["input_ids"].shape[1],
+                micro_batch_size=local[0]["input_ids"].shape[0],
+                forward_only=False,
+            )
+        finally:
+            self.config.mtp_grad_scale_func = previous_scale
+
+        lm_totals = torch.stack([report["lm loss"].double() for report in reports]).sum(0)
+        torch.distributed.all_reduce(lm_totals, group=dp_cp_group)
+        mtp = logged_mtp_metrics(len(local), dp_cp_group)
+        grads = _finalized_grads(model_forward)
+        update_norm = None
+        if update:
+            update_norm = self._optimizer_step()
+        return MegatronStepResult(
+            lm_loss=(lm_totals[0] / lm_totals[1].clamp(min=1)).item(), update_norm=update_norm, **mtp, **grads
+        )
+
+    def _optimizer_step(self):
+        """megatron-core's optimizer step; the L2 norm of the full (TP-gathered) weight update."""
+        model = _unwrapped(self.model)
+        before = dict(_full_flat(model, lambda param: param.detach().clone()))
+        succeeded, _, _ = self.optimizer.step()
+        if not succeeded:
+            raise RuntimeError("megatron-core's optimizer step did not succeed")
+        after = _full_flat(model, lambda param: param)
+        return math.sqrt(sum((flat - before[name]).double().pow(2).sum().item() for name, flat in after))
+
+
+def three_output_loss(loss_mask, output_tensor):
+    """pretrain_gpt's shape: (this rank's loss sum, its token count, {"lm loss": [sum, count]})."""
+    import torch
+
+    losses, mask = output_tensor.float().reshape(-1), loss_mask.float().reshape(-1)
+    loss = torch.sum(losses * mask)
+    count = mask.sum()
+    return loss, count.detach().to(torch.int), {"lm loss": torch.stack([loss.detach(), count.detach()])}
+
+
+def two_output_loss(cp_group, loss_mask, output_tensor):
+    """The legacy 2-output shape: the CP-global mean, differentiable through this rank's tokens.
+
+    The schedule multiplies a 2-output loss by the CP size and DDP averages over DP x CP, so the
+    CP ranks' gradients add up to the gradient of the whole sequence's mean.
+    """
+    import torch
+
+    losses, mask = output_tensor.float().reshape(-1), loss_mask.float().reshape(-1)
+    local = torch.sum(losses * mask)
+    totals = torch.stack([local.detach(), mask.sum()])
+    torch.distributed.all_reduce(totals, group=cp_group)
+    loss = (local - local.detach() + totals[0]) / totals[1].clamp(min=1)
+    return loss, {"lm loss": torch.stack([local.detach(), mask.sum()])}
+
+
+def nemo_rl_loss(global_valid_tokens, num_microbatches, cp_size, loss_mask, output_tensor):
+    """NeMo-RL's per-token flow: loss sum over the step's global valid tokens, the schedule's
+    2-output scaling (x CP / num_microbatches) undone."""
+    import torch
+
+    losses, mask = output_tensor.float().reshape(-1), loss_mask.float().reshape(-1)
+    local = torch.sum(losses * mask)
+    loss = local / global_valid_tokens * num_microbatches / cp_size
+    return loss, {"lm loss": torch.stack([local.detach(), mask.sum()])}
+
+
+def check_step_arguments(microbatches, loss, labels, mtp_grad_scale, per_token, update, optimizer):
+    import torch
+
+    if loss not in LOSS_SHAPES:
+        raise ValueError(f"loss must be one of {LOSS_SHAPES}, got {loss!r}")
+    if loss == "2-output" and per_token:
+        raise ValueError(
+            "loss='2-output' needs calculate_per_token_loss=False: a 2-output loss counts no tokens, so "
+            "finalize_model_grads would not normalise the step; use '3-output' or 'nemo-rl'"
+        )
+    if loss == "nemo-rl" and not per_token:
+        raise ValueError("loss='nemo-rl' needs calculate_per_token_loss=True (NeMo-RL's per-token flow)")
+    if not (mtp_grad_scale is None or mtp_grad_scale == GLOBAL_VALID_TOKENS
+            or (isinstance(mtp_grad_scale, (int, float)) and not isinstance(mtp_grad_scale, bool) and mtp_grad_scale > 0)):
+        raise ValueError(f"mtp_grad_scale must be None, a positive number or {GLOBAL_VALID_TOKENS!r}, got {mtp_grad_scale!r}")
+    if update and optimizer is None:
+        raise ValueError("update=True needs an optimizer: build MegatronStep(model, optimizer='megatron')")
+    if not isinstance(microbatches, (list, tuple)) or not microbatches:
+        raise ValueError(f"microbatches must be a non-empty list of dicts, got {type(microbatches).__name__}")
+    shape = None
+    for index, batch in enumerate(microbatches):
+        if not isinstance(batch, dict) or any(key not in batch for key in MICROBATCH_KEYS):
+            raise ValueError(f"microbatches[{index}] must be a dict with keys {MICROBATCH_KEYS}")
+        if labels and batch.get("mtp_loss_mask") is not None:
+            raise ValueError(
+                f"microbatches[{index}] has an mtp_loss_mask (input_ids-aligned, the RL convention) but "
+                "labels=True: with labels Megatron's MTP loss uses the label-aligned loss_mask"
+            )
+        for key, value in batch.items():
+            if value is None:
+                continue
+            if not isinstance(value, torch.Tensor) or value.dim() != 2:
+                raise ValueError(f"microbatches[{index}][{key!r}] must be a [micro_batch_size, seq] tensor")
+            if shape is None:
+                shape = tuple(value.shape)
+            if tuple(value.shape) != shape:
+                raise ValueError(
+                    f"microbatches[{index}][{key!r}] has shape {tuple(value.shape)}, expected {shape} "
+                    "(every tensor of every microbatch has the same shape)"
+                )
+
+
+def _unwrapped(model):
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def _full_flat(model, tensor_of):
+    """(name, flat float32 CPU tensor) per parameter of ``model``: ``tensor_of(param)`` (None: zeros)
+    with TP shards gathered to the full tensor, identical on every TP rank."""
+    import torch
+    from megatron.core import parallel_state
+
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    tp_size = torch.distributed.get_world_size(tp_group)
+    for name, param in model.named_parameters():
+        tensor = tensor_of(param)
+        tensor = torch.zeros_like(param, dtype=torch.float32) if tensor is None else tensor.detach().float()
+        if tp_size > 1 and getattr(param, "tensor_model_parallel", False):
+            shards = [torch.empty_like(tensor) for _ in range(tp_size)]
+            torch.distributed.all_gather(shards, tensor.contiguous(), group=tp_group)
+            tensor = torch.cat(shards, dim=param.partition_dim)
+        yield name, tensor.reshape(-1).cpu()
+
+
+def _finalized_grads(model):
+    """The finalized main_grads, TP shards gathered, as flat "mtp" / "lm" vectors, with norms."""
+    import torch
+
+    parts = {"mtp": [], "lm": []}
+    group_squares, zero = {}, []
+    for name, flat in _full_flat(model, lambda param: getattr(param, "main_grad", None)):
+        top = name.split(".")[0]
+        parts["mtp" if top == "mtp" else "lm"].append(flat)
+        group_squares[top] = group_squares.get(top, 0.0) + flat.double().pow(2).sum().item()
+        if not flat.any():
+            zero.append(name)
+    grads = {part: (torch.cat(flats) if flats else torch.zeros(0)).numpy() for part, flats in parts.items()}
+    return dict(
+        grads=grads,
+        grad_norm=math.sqrt(sum(group_squares.values())),
+        group_grad_norms={group: math.sqrt(square) for group, square in group_squares.items()},
+        zero_grad_params=tuple(zero),
+    )
