@@ -18,9 +18,9 @@ from .fix import (
     drifted,
     strict_from_env,
 )
-from .fixes import device_broadcast, loss_mask, modules_cache, sp_scatter
+from .fixes import device_broadcast, loss_mask, modules_cache, mtp_packed_roll, sp_scatter
 
-FIXES = [sp_scatter.FIX, loss_mask.FIX, modules_cache.FIX, device_broadcast.FIX]
+FIXES = [sp_scatter.FIX, loss_mask.FIX, mtp_packed_roll.FIX, modules_cache.FIX, device_broadcast.FIX]
 
 
 def get(name):

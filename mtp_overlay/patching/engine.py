@@ -17,6 +17,7 @@ import types
 from pathlib import Path
 
 from .locate import find_distribution
+from .manifest import reaches
 
 APPLIED, NEEDED, REDUNDANT, MISMATCH, ABSENT = "applied", "needed", "redundant", "mismatch", "absent"
 COMMANDS = ("apply", "check", "revert")
@@ -156,7 +157,8 @@ def _mismatch(report):
 
 
 def marker_present(marker, root):
-    """Whether ``marker.function`` in ``root / marker.file`` references ``marker.calls`` (read, not run)."""
+    """Whether ``marker.function`` in ``root / marker.file`` references ``marker.calls``, itself or
+    through the file's functions it calls (read, not run)."""
     if marker is None:
         return False
     path = Path(root) / marker.file
@@ -167,7 +169,7 @@ def marker_present(marker, root):
         code = compile(data, str(path), "exec", dont_inherit=True)
     except (SyntaxError, ValueError):
         return False
-    return any(name == marker.function and marker.calls in c.co_names for name, c in _functions(code, ""))
+    return reaches(dict(_functions(code, "")), marker.function, marker.calls)
 
 
 def _functions(code, prefix):

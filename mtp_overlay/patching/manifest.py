@@ -25,7 +25,8 @@ class ManifestError(ValueError):
 
 
 class Marker:
-    """On-disk sign that the patched behaviour is present: ``function`` in ``file`` references ``calls``."""
+    """On-disk sign that the patched behaviour is present: ``function`` in ``file`` references
+    ``calls``, itself or through the functions of that file it calls (see `reaches`)."""
 
     __slots__ = ("file", "function", "calls")
 
@@ -34,6 +35,26 @@ class Marker:
 
     def __str__(self):
         return f"{self.function} already calls {self.calls}"
+
+
+def reaches(functions, start, name):
+    """Whether the code of ``functions[start]``, or of a function in ``functions`` it names
+    (transitively), references ``name``. ``functions``: {name: code object} of one module.
+
+    Upstream moves logic into helpers (Megatron-LM dev reads the padded boundaries in
+    ``_get_packed_roll_cu_seqlens``, called by the packed roll), so a direct reference is too narrow.
+    """
+    seen, todo = set(), [start]
+    while todo:
+        current = todo.pop()
+        code = functions.get(current)
+        if code is None or current in seen:
+            continue
+        seen.add(current)
+        if name in code.co_names:
+            return True
+        todo.extend(code.co_names)
+    return False
 
 
 class Variant:

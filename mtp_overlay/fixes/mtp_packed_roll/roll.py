@@ -16,6 +16,8 @@ is zeroed, padding included (Megatron-LM #7278): ``[1,1,1,1,1,1,1,0]`` rolls to
 trains it.
 """
 
+import threading
+
 import torch
 
 
@@ -56,6 +58,34 @@ def boundaries(cu_seqlens_q, cu_seqlens_q_padded=None):
             "length must be at least the real one"
         )
     return real, padded
+
+
+_PLANS = {}  # key -> (objects the key names by id, kept alive so no id is reused; RollPlan)
+_PLANS_KEPT = 4
+_PLANS_LOCK = threading.Lock()
+
+
+def plan_for(cu_seqlens_q, cu_seqlens_q_padded, length, cp_size, cp_rank, device):
+    """The RollPlan for these boundaries, from a small cache: a forward rolls 2 + 2 * depth tensors
+    (and the MTP layers' input_ids and position_ids) on one layout, so the boundaries are read (one
+    device sync) and checked once. A boundary tensor changed in place gets a new plan (its version)."""
+    def identity(cu):
+        if isinstance(cu, torch.Tensor):
+            return id(cu), cu._version
+        return cu if isinstance(cu, tuple) else None  # a tuple of ints is its own key
+
+    key = (identity(cu_seqlens_q), identity(cu_seqlens_q_padded), length, cp_size, cp_rank, str(device))
+    cacheable = key[0] is not None and (cu_seqlens_q_padded is None or key[1] is not None)
+    entry = _PLANS.get(key) if cacheable else None
+    if entry is not None:
+        return entry[1]
+    plan = build_plan(*boundaries(cu_seqlens_q, cu_seqlens_q_padded), length, cp_size, cp_rank, device)
+    if cacheable:
+        with _PLANS_LOCK:
+            while len(_PLANS) >= _PLANS_KEPT:
+                _PLANS.pop(next(iter(_PLANS)))
+            _PLANS[key] = ((cu_seqlens_q, cu_seqlens_q_padded), plan)
+    return plan
 
 
 def build_plan(real, padded, length, cp_size, cp_rank, device):
