@@ -95,23 +95,21 @@ def survey(fix, dirs=None):
         {
             "path": file,
             "found": found[file],
-            "pre": sorted({images[file][0] for images in candidates}),
-            "post": sorted({images[file][1] for images in candidates}),
+            "pre": sorted({pre for images in candidates for pre, _ in images[file]}),
+            "post": sorted({post for images in candidates for _, post in images[file]}),
         }
         for file in variant.files
     ]
-    for images in candidates:
-        if all(found[file] == post for file, (_, post) in images.items()):
-            report.images = images
-            return report.set(APPLIED, f"{variant.patch.name}: every file matches its patched sha256")
-    for images in candidates:
-        if all(found[file] == pre for file, (pre, _) in images.items()):
-            report.images = images
-            try:
-                transform(report, reverse=False)  # proves "would apply cleanly" to the measured bytes
-            except PatchError as exc:
-                return report.set(MISMATCH, str(exc))
-            return report.set(NEEDED, f"{variant.patch.name} fits {name}: pre-image sha256 matches, applies cleanly")
+    report.images = _match(candidates, found, POST)
+    if report.images is not None:
+        return report.set(APPLIED, f"{variant.patch.name}: every file matches its patched sha256")
+    report.images = _match(candidates, found, PRE)
+    if report.images is not None:
+        try:
+            transform(report, reverse=False)  # proves "would apply cleanly" to the measured bytes
+        except PatchError as exc:
+            return report.set(MISMATCH, str(exc))
+        return report.set(NEEDED, f"{variant.patch.name} fits {name}: pre-image sha256 matches, applies cleanly")
     if _git_apply(variant, report.current, reverse=True)[0] is not None:
         return report.set(APPLIED, f"{variant.patch.name}: the reverse patch applies (files differ from the manifest)")
     if marker_present(fix.marker, installed.root):
@@ -135,9 +133,25 @@ def patched_on_disk(fix):
     if variant is None:
         return None
     found = {file: sha256(_read(installed.root / file)) for file in variant.files}
-    return any(
-        all(found[file] == post for file, (_, post) in images.items()) for images in variant.images(installed.version)
-    )
+    return _match(variant.images(installed.version), found, POST) is not None
+
+
+PRE, POST = 0, 1
+
+
+def _match(candidates, found, side):
+    """{file: (pre, post)}: for the first candidate map where every file's ``found`` sha256 is the
+    ``side`` (PRE or POST) of one of its measured pairs (alone, or on top of other fixes), that pair."""
+    for images in candidates:
+        chosen = {}
+        for file, pairs in images.items():
+            pair = next((pair for pair in pairs if pair[side] == found[file]), None)
+            if pair is None:
+                break
+            chosen[file] = pair
+        else:
+            return chosen
+    return None
 
 
 def _mismatch(report):
@@ -303,12 +317,12 @@ def run(command, fixes, dirs=None, dry_run=False):
         report.action = _NO_OP[command].get(report.state)
     todo = [report for report in reports if report.action is None]
     refused = [report.fix.name for report in reports if report.action == "refused"]
-    changes = []
+    changes = {}  # path -> Change: fixes sharing a file each change it in turn
     for report in todo:
         if refused:
             break
         try:
-            changes += _changes(report, reverse)
+            _changes(report, reverse, changes)
         except PatchError as exc:
             report.action, report.reason = "failed", str(exc)
             refused.append(report.fix.name)
@@ -320,7 +334,7 @@ def run(command, fixes, dirs=None, dry_run=False):
         return reports
     if not dry_run:
         try:
-            commit(changes)
+            commit(list(changes.values()))
         except Exception as exc:
             restored = "" if isinstance(exc, RollbackError) else "; every file put back"
             for report in todo:
@@ -338,11 +352,27 @@ def run(command, fixes, dirs=None, dry_run=False):
     return reports
 
 
-def _changes(report, reverse):
-    """The Changes that patch (or revert) ``report``'s files, stale bytecode removal included."""
-    changes = []
+def _changes(report, reverse, changes):
+    """Add to ``changes`` (path -> Change) what patching (or reverting) ``report``'s files takes,
+    stale bytecode removal included. A file that an earlier fix of the same command already changed
+    is taken as that fix left it, and must then match one of this variant's measured combinations."""
+    paths = {file: report.installed.root / file for file in report.variant.files}
+    if any(path in changes for path in paths.values()):
+        report.current = {
+            file: changes[path].new if path in changes else report.current[file] for file, path in paths.items()
+        }
+        found = {file: sha256(data) for file, data in report.current.items()}
+        report.images = _match(report.variant.images(report.installed.version), found, POST if reverse else PRE)
+        if report.images is None:
+            raise PatchError(
+                f"{report.fix.name}: after the other fixes' patches of this {'revert' if reverse else 'apply'}, "
+                f"{report.variant.patch.name}'s files match no combination the manifest measured"
+            )
     for file, new in transform(report, reverse).items():
-        path = report.installed.root / file
-        changes.append(Change(path, report.current[file], new))
-        changes.extend(Change(pyc, _read(pyc), None) for pyc in stale_bytecode(path))
-    return changes
+        path = paths[file]
+        if path in changes:
+            changes[path].new = new
+        else:
+            changes[path] = Change(path, report.current[file], new)
+        for pyc in stale_bytecode(path):
+            changes.setdefault(pyc, Change(pyc, _read(pyc), None))

@@ -7,8 +7,17 @@ each measured release the sha256 of every touched file before (``pre``) and afte
 
 Variants are chosen by version range and pre-image hash, never by "the patch applies": the 0.17
 patch applies textually to 0.16 yet is wrong there (issue #7).
+
+Two fixes may patch the same file (mtp-sp-scatter and mtp-packed-roll both patch megatron-core's
+``multi_token_prediction.py``, in hunks that do not overlap). Each patch must then apply whether or
+not the other is on disk, and every state of the file must stay a measured one, so a shared file's
+entry carries ``with``: for each combination of the other fixes (names joined by ``+``, sorted), the
+file's sha256 with their patches applied (``pre``) and with this one applied on top (``post``).
+The manifest is refused unless every release measured by two fixes sharing a file lists the other
+combinations in both entries.
 """
 
+import itertools
 import json
 import re
 from functools import lru_cache
@@ -60,22 +69,29 @@ def reaches(functions, start, name):
 class Variant:
     """One patch file, the versions it fits, and the measured pre/post hashes of its files."""
 
-    __slots__ = ("fix", "patch", "versions", "measured", "files")
+    __slots__ = ("fix", "patch", "versions", "measured", "combined", "files")
 
-    def __init__(self, fix, patch, versions, measured, files):
+    def __init__(self, fix, patch, versions, measured, files, combined=None):
         self.fix, self.patch, self.versions = fix, patch, versions
-        self.measured = measured  # version -> {file: (pre sha256, post sha256)}
+        self.measured = measured  # version -> {file: (pre sha256, post sha256)}, this patch alone
+        # version -> {file: {frozenset(other fixes applied first): (pre sha256, post sha256)}}
+        self.combined = combined or {}
         self.files = files  # touched paths, relative to site-packages, in patch order
 
     def fits(self, version):
         return self.versions.contains(version, prereleases=True)
 
+    def pairs(self, version, file):
+        """The (pre, post) sha256 pairs of ``file`` at ``version``: alone, then with each combination."""
+        return [self.measured[version][file], *self.combined.get(version, {}).get(file, {}).values()]
+
     def images(self, version):
-        """Candidate {file: (pre, post)} maps for ``version``: its own if measured, else every measured one."""
-        if version in self.measured:
-            return [self.measured[version]]
+        """Candidate {file: [(pre, post), ...]} maps for ``version``: its own if measured, else every
+        measured one. Each file's list: this patch alone first, then on top of the other fixes' patches."""
+        versions = [version] if version in self.measured else list(self.measured)
         distinct = []
-        for images in self.measured.values():
+        for measured in versions:
+            images = {file: self.pairs(measured, file) for file in self.files}
             if images not in distinct:
                 distinct.append(images)
         return distinct
@@ -177,7 +193,7 @@ def load(path=DEFAULT_PATH):
             except InvalidSpecifier as exc:
                 raise ManifestError(f"{path}: {at}.versions: {exc}") from None
             files = touched_files(patch)
-            measured = {}
+            measured, combined = {}, {}
             for version, images in need(item, "measured", dict, at).items():
                 try:
                     Version(version)
@@ -193,13 +209,18 @@ def load(path=DEFAULT_PATH):
                 measured[version] = {}
                 for file in files:
                     pair = need(images, file, dict, f"{at}.measured[{version!r}]")
-                    hashes = tuple(pair.get(key) for key in ("pre", "post"))
-                    if not all(isinstance(h, str) and _SHA256.fullmatch(h) for h in hashes):
-                        raise ManifestError(f"{path}: {at}.measured[{version!r}][{file!r}] needs pre and post sha256")
-                    measured[version][file] = hashes
+                    where_file = f"{at}.measured[{version!r}][{file!r}]"
+                    measured[version][file] = _hashes(pair, where_file, path)
+                    others = pair.get("with", {})
+                    if not isinstance(others, dict):
+                        raise ManifestError(f"{path}: {where_file}.with must be a dict, got {others!r}")
+                    combined.setdefault(version, {})[file] = {
+                        frozenset(key.split("+")): _hashes(value, f"{where_file}.with[{key!r}]", path)
+                        for key, value in others.items()
+                    }
             if not measured:
                 raise ManifestError(f"{path}: {at}.measured is empty: measure at least one release")
-            variants.append(Variant(name, patch, versions, measured, files))
+            variants.append(Variant(name, patch, versions, measured, files, combined))
         fix = FixPatches(name, distribution, marker, tuple(variants))
         for variant in variants:
             for version in variant.measured:
@@ -208,11 +229,42 @@ def load(path=DEFAULT_PATH):
                 except ManifestError as exc:  # two ranges overlap on a measured release
                     raise ManifestError(f"{path}: {exc}") from None
             for file in variant.files:
-                owner = owners.setdefault((distribution, file), name)
-                if owner != name:
-                    raise ManifestError(f"{path}: {name} and {owner} both patch {distribution}'s {file}")
+                owners.setdefault((distribution, file), []).append(variant)
         fixes[name] = fix
+    _check_shared_files(path, owners)
     return Manifest(path, fixes)
+
+
+def _hashes(pair, where, path):
+    hashes = tuple(pair.get(key) if isinstance(pair, dict) else None for key in ("pre", "post"))
+    if not all(isinstance(h, str) and _SHA256.fullmatch(h) for h in hashes):
+        raise ManifestError(f"{path}: {where} needs pre and post sha256")
+    return hashes
+
+
+def _check_shared_files(path, owners):
+    """Every release two fixes both measured on a shared file lists, in each fix's entry, the file's
+    hashes on top of every combination of the other fixes (``with``); and only real fixes appear."""
+    for (distribution, file), variants in owners.items():
+        fixes = {variant.fix for variant in variants}
+        for variant in variants:
+            for version in variant.measured:
+                sharing = sorted({v.fix for v in variants if v.fix != variant.fix and version in v.measured})
+                listed = variant.combined.get(version, {}).get(file, {})
+                unknown = sorted(name for combination in listed for name in combination - fixes)
+                if unknown:
+                    raise ManifestError(
+                        f"{path}: {variant.fix}'s {variant.patch.name} lists {distribution} {version}'s {file} "
+                        f"with {', '.join(unknown)}, which patch(es) no such file in this manifest"
+                    )
+                wanted = [frozenset(c) for k in range(1, len(sharing) + 1) for c in itertools.combinations(sharing, k)]
+                missing = ["+".join(sorted(c)) for c in wanted if c not in listed]
+                if missing:
+                    raise ManifestError(
+                        f"{path}: {variant.fix} and {', '.join(sharing)} both patch {distribution}'s {file}: "
+                        f"{variant.fix}'s {variant.patch.name} must measure {version} with {', '.join(map(repr, missing))} "
+                        "applied first (\"with\": the file's sha256 with those patches, before and after this one)"
+                    )
 
 
 def variants_for(fix_name, path=DEFAULT_PATH):
