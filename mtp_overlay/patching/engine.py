@@ -162,9 +162,12 @@ def _mismatch(report):
             kind = "patched" if entry["found"] in entry["post"] else "unpatched"
             lines.append(f"{report.installed.root / entry['path']} is {kind} while other files are not (half-applied)")
         else:
+            alone = sorted({images[entry["path"]][0][0] for images in report.variant.images(report.installed.version)})
+            others = [sha for sha in entry["pre"] if sha not in alone]
+            combined = f" or {' or '.join(others)} (with other fixes' patches on it)" if others else ""
             lines.append(
-                f"{report.installed.root / entry['path']}: expected sha256 {' or '.join(entry['pre'])} "
-                f"({report.fix.distribution} {report.installed.version} as released), "
+                f"{report.installed.root / entry['path']}: expected sha256 {' or '.join(alone)} "
+                f"({report.fix.distribution} {report.installed.version} as released){combined}, "
                 f"found {entry['found'] or 'no file'}"
             )
     return f"{report.variant.patch.name}: " + "; ".join(lines)
