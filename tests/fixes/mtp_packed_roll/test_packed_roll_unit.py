@@ -197,15 +197,31 @@ def assert_batch(batch, per_rank):
     return sum(pack["real"] == pack["padded"] for pack in batch)
 
 
-@pytest.mark.parametrize("cp_size", [2, 4])
-def test_cp_roll_matches_the_per_sequence_reference_on_hypothesis_packs(cp_size):
-    batch = draw_packs(packs(cp_size), 200)
-    per_rank = run_ranks_checked(roll_packs, cp_size, cp=cp_size, args=(batch,), fixes=[FIX], timeout=600)
+@pytest.mark.slow
+def test_cp4_roll_matches_the_per_sequence_reference_on_hypothesis_packs():
+    batch = draw_packs(packs(4), 200)
+    per_rank = run_ranks_checked(roll_packs, 4, cp=4, args=(batch,), fixes=[FIX], timeout=600)
     unpadded = assert_batch(batch, per_rank)
     assert len(batch) >= 150 and unpadded >= 10  # hypothesis drew enough of both kinds
 
 
-PAD = reproducer.PAD
+def cp2_worker(batch):
+    """Rank worker (CP=2, fix on): the hypothesis batch, the reproducer's packs, then stock's
+    failures (last: stock leaves the ranks' exchanges out of step)."""
+    return {"batch": roll_packs(batch), "reproducer": reproducer.packed_rolls(), "stock": stock_breaks_under_cp2()}
+
+
+@pytest.fixture(scope="module")
+def cp2_run():
+    """One spawned CP=2 run for every CP=2 assertion below (a spawn costs seconds of imports)."""
+    batch = draw_packs(packs(2), 200)
+    return batch, run_ranks_checked(cp2_worker, 2, cp=2, args=(batch,), fixes=[FIX], timeout=600)
+
+
+def test_cp2_roll_matches_the_per_sequence_reference_on_hypothesis_packs(cp2_run):
+    batch, ranks = cp2_run
+    unpadded = assert_batch(batch, [out["batch"] for out in ranks])
+    assert len(batch) >= 150 and unpadded >= 10  # hypothesis drew enough of both kinds
 
 
 def stock_breaks_under_cp2():
@@ -265,9 +281,9 @@ def stock_breaks_under_cp2():
     return out
 
 
-def test_cp2_stock_breaks_or_is_silently_wrong_and_the_fix_is_exact():
-    ranks = run_ranks_checked(stock_breaks_under_cp2, 2, cp=2, fixes=[FIX], timeout=300)
-    for rank, out in enumerate(ranks):
+def test_cp2_stock_breaks_or_is_silently_wrong_and_the_fix_is_exact(cp2_run):
+    ranks = [out["stock"] for out in cp2_run[1]]
+    for out in ranks:
         assert out["5,7->8"]["fixed_wrong"] == 0 and out["3,5->4,8"]["fixed_wrong"] == 0
         # one all-gather on the CP group per roll; stock: one isend/irecv pair per sequence, world group
         assert out["5,7->8"]["fixed_groups"] == [("all_gather_single", True)]
@@ -284,6 +300,7 @@ def test_reproducer_shows_the_stock_bug():
     assert re.search(r"under CP=2: [1-9]\d* of 16 stock label slots differ", evidence)
 
 
-def test_reproducer_worker_with_the_fix_on_trains_exactly_the_expected_pairs():
-    for stock, expected, wrong in run_ranks_checked(reproducer.packed_rolls, 2, cp=2, fixes=[FIX]):
-        assert stock == expected and wrong == 0
+def test_reproducer_packs_with_the_fix_on_train_exactly_the_expected_pairs(cp2_run):
+    for out in cp2_run[1]:
+        trained, expected, wrong = out["reproducer"]
+        assert trained == expected and wrong == 0
