@@ -262,7 +262,8 @@ def _check_shared_files(path, owners):
                 if missing:
                     raise ManifestError(
                         f"{path}: {variant.fix} and {', '.join(sharing)} both patch {distribution}'s {file}: "
-                        f"{variant.fix}'s {variant.patch.name} must measure {version} with {', '.join(map(repr, missing))} "
+                        f"{variant.fix}'s {variant.patch.name} must measure {version} with "
+                        f"{', '.join(map(repr, missing))} "
                         "applied first (\"with\": the file's sha256 with those patches, before and after this one)"
                     )
 

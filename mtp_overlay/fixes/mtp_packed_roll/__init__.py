@@ -70,7 +70,9 @@ class PackedRollFix(Fix):
         from ...patching.manifest import reaches
 
         if reaches(module_functions(module), self.marker["function"], PADDED):
-            return redundant(f"roll_tensor already reads packed_seq_params.{PADDED} (Megatron-LM #4494/#6205, or patched on disk)")
+            return redundant(
+                f"roll_tensor already reads packed_seq_params.{PADDED} (Megatron-LM #4494/#6205, or patched on disk)"
+            )
         roll, packed = stock_rolls(module)
         if roll is None or packed is None:
             return drifted(f"{TARGET} has no {'roll_tensor' if roll is None else '_roll_tensor_packed_seq'}")
@@ -79,7 +81,8 @@ class PackedRollFix(Fix):
             if parameters not in known:
                 shapes = "; ".join(f"{family}: {p}" for p, family in known.items())
                 return drifted(f"{function.__name__}{parameters} matches none of {shapes}")
-        return needed(f"megatron-core {PACKED_SIGNATURES[_parameters(packed)]} shape: the packed roll reads cu_seqlens_q")
+        family = PACKED_SIGNATURES[_parameters(packed)]
+        return needed(f"megatron-core {family} shape: the packed roll reads cu_seqlens_q")
 
     def wrappers(self, module):
         import inspect
@@ -119,7 +122,9 @@ def roll_packed_seq_params(tensor, packed_seq_params, cp_group=None):
 
     real = getattr(packed_seq_params, "cu_seqlens_q", None)
     if real is None:
-        raise ValueError("packed_seq_params.cu_seqlens_q is None: the packed MTP roll needs the real sequence boundaries")
+        raise ValueError(
+            "packed_seq_params.cu_seqlens_q is None: the packed MTP roll needs the real sequence boundaries"
+        )
     cp_size = _size(cp_group)
     cp_rank = torch.distributed.get_rank(group=cp_group) if cp_size > 1 else 0
     padded = getattr(packed_seq_params, PADDED, None)
