@@ -27,14 +27,14 @@ class State:
     NEEDED = "needed"  # upstream still has the bug: the fix goes in
     REDUNDANT = "redundant"  # upstream already carries the fix: stand down
     DRIFTED = "drifted"  # the target is missing or of an unknown shape: not applied
-    UNSUPPORTED = "unsupported"  # the upstream release does not even import on this stack
+    UNSUPPORTED = "unsupported"  # the release does not import on this stack (or predates every patch)
     # a source patch on disk (`mtp-overlay patch`); NEEDED, REDUNDANT and ABSENT as above
     APPLIED = "applied"
     MISMATCH = "mismatch"  # the files are neither the released nor the patched bytes
 
     RUNTIME = (PENDING, INSTALLED, REDUNDANT, DRIFTED, DISABLED, FAILED, ABSENT)
     VERDICTS = (NEEDED, REDUNDANT, DRIFTED, FAILED, ABSENT, UNSUPPORTED)
-    ON_DISK = (APPLIED, NEEDED, REDUNDANT, MISMATCH, ABSENT)
+    ON_DISK = (APPLIED, NEEDED, REDUNDANT, MISMATCH, ABSENT, UNSUPPORTED)  # unsupported: no patch this old
     # several targets that disagree: the fix reports the first of these it finds
     RUNTIME_PRIORITY = (FAILED, DRIFTED, INSTALLED, REDUNDANT)
     VERDICT_PRIORITY = (UNSUPPORTED, FAILED, DRIFTED, NEEDED, REDUNDANT)

@@ -92,19 +92,30 @@ class Lifecycle:
             self._originals[key] = (original, wrapt.wrap_function_wrapper(owner, attribute, wrapper))
 
     def uninstall_wrappers(self, keys=None):
-        """Put back the original objects (all, or those of ``keys``), by identity, unless someone
-        wrapped ours since (then ours stays inside theirs: removing it would drop theirs; warned)."""
+        """Put back the original objects (all, or those of ``keys``), by identity.
+
+        A wrapt wrapper stacked on ours since (another fix's, a user's) stays where it is, and ours is
+        taken out from inside it; under any other kind of wrapper ours has to stay (warned).
+        """
+        import wrapt
+
         with self._lock:
             for key in list(self._originals if keys is None else keys):
                 owner, attribute = key
                 original, ours = self._originals.pop(key)
-                if vars(owner).get(attribute) is ours:
+                current = vars(owner).get(attribute)
+                if current is ours:
                     setattr(owner, attribute, original)
-                else:
-                    where = f"{getattr(owner, '__qualname__', getattr(owner, '__name__', owner))}.{attribute}"
-                    warnings.warn(OverlayWarning(
-                        f"mtp-overlay fix {self.name!r}: {where} was wrapped again after the overlay; "
-                        "left in place (uninstall the outer wrapper first)"), stacklevel=3)
+                    continue
+                while isinstance(current, wrapt.BaseObjectProxy) and current.__wrapped__ is not ours:
+                    current = current.__wrapped__
+                if isinstance(current, wrapt.BaseObjectProxy):
+                    current.__wrapped__ = original
+                    continue
+                where = f"{getattr(owner, '__qualname__', getattr(owner, '__name__', owner))}.{attribute}"
+                warnings.warn(OverlayWarning(
+                    f"mtp-overlay fix {self.name!r}: {where} was wrapped again after the overlay, not by wrapt; "
+                    "left in place (uninstall the outer wrapper first)"), stacklevel=3)
 
     def disable(self, reason):
         """Take the wrappers off and forget every target's state; ``reason`` is what status says."""

@@ -11,6 +11,7 @@ from . import hooks
 
 FIXES = [
     ("mtp-sp-scatter", ("megatron.core.transformer.multi_token_prediction",)),
+    ("mtp-packed-roll", ("megatron.core.transformer.multi_token_prediction",)),
     ("mtp-loss-mask", ("megatron.core.models.gpt.gpt_model", "megatron.core.models.hybrid.hybrid_model")),
     (
         "mtp-cp-loss-scale",

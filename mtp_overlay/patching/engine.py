@@ -14,9 +14,9 @@ COMMANDS = ("apply", "check", "revert")
 # what apply / revert do to a fix in each state besides the one they act on
 _NO_OP = {
     "apply": {State.APPLIED: "already applied", State.REDUNDANT: "skipped", State.ABSENT: "skipped",
-              State.MISMATCH: "refused"},
+              State.UNSUPPORTED: "skipped", State.MISMATCH: "refused"},
     "revert": {State.NEEDED: "not applied", State.REDUNDANT: "skipped", State.ABSENT: "skipped",
-               State.MISMATCH: "refused"},
+               State.UNSUPPORTED: "skipped", State.MISMATCH: "refused"},
 }
 
 

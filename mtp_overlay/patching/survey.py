@@ -67,6 +67,9 @@ def survey(fix, manifest, dirs=None, verify=True):
         ranges = "; ".join(f"{family} fits {versions}" for family, versions in fix.families.items())
         if marker_on_disk(fix, installed.root):
             return report.set(State.REDUNDANT, f"{name} fits no release family ({ranges}) and {fix.marker}: already upstream")
+        if _older_than_every_family(fix, installed.version):
+            return report.set(State.UNSUPPORTED, f"{name} predates every release family ({ranges}): no source patch "
+                              "for it (`mtp-overlay check` says what the runtime hook finds)")
         return report.set(State.MISMATCH, f"{name} fits no release family ({ranges})")
     report.patch = manifest.patch_path(fix, family)
     report.current = {file: _read(installed.root / file) for file in touched_files(report.patch)}
@@ -96,6 +99,15 @@ def survey(fix, manifest, dirs=None, verify=True):
     if marker_on_disk(fix, installed.root):
         return report.set(State.REDUNDANT, f"{name}: {fix.marker}: the behaviour is already in the pre-image")
     return report.set(State.MISMATCH, _mismatch(report))
+
+
+def _older_than_every_family(fix, version):
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
+
+    lowest = [Version(spec.version) for versions in fix.families.values() for spec in SpecifierSet(versions)
+              if spec.operator in (">=", ">")]
+    return bool(lowest) and Version(version) < min(lowest)
 
 
 def transform(report, current, carries, reverse):

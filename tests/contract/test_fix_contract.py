@@ -27,23 +27,49 @@ life = registry.lifecycle(name)
 facts = {"pending": life.state()[0]}
 modules = [importlib.import_module(target) for target in life.targets]  # the hooks fire here
 facts["before"] = [life.state()[0], life.late]
+import wrapt
 wrapped = life.wrapped()
-originals = {key: vars(key[0])[key[1]].__wrapped__ for key in wrapped}
+originals = {key: life._originals[key][0] for key in wrapped}
 facts["wrapped"] = len(wrapped)
 
+def chain(key):
+    # the attribute's wrapt wrappers, outermost first (other fixes may wrap the same attribute), and
+    # what they end at
+    found, current = [], vars(key[0])[key[1]]
+    while isinstance(current, wrapt.BaseObjectProxy):
+        found.append(current)
+        current = current.__wrapped__
+    return found, current
+
+def reaches(key, target):
+    found, end = chain(key)
+    return end is target or any(w is target for w in found)
+
 def chain_ok():
-    # each attribute: exactly one wrapper of ours, around the original object
-    return all(vars(o)[a].__wrapped__ is originals[(o, a)] for o, a in wrapped)
+    # each attribute: exactly one wrapper of ours in its chain (which another fix's may share), and
+    # the chain still reaches what was there before
+    ours = {key: life._originals[key][1] for key in life.wrapped()}
+    return all(sum(w is ours[k] for w in chain(k)[0]) == 1 and reaches(k, originals[k]) for k in wrapped)
+
+ever = []  # every wrapper of ours so far
+
+def remember():
+    ever.extend(ours for _, ours in life._originals.values())
 
 def restored():
-    return all(vars(o)[a] is originals[(o, a)] for o, a in wrapped)
+    # none of ours left anywhere in the chain, which still reaches what was there before
+    return all(reaches(k, originals[k]) and not any(w is o for w in chain(k)[0] for o in ever) for k in wrapped)
+
+remember()
 
 facts["chain"] = chain_ok()
 registry.uninstall(only=[name])
 facts["uninstalled"] = [life.state()[0], restored()]
 registry.install(only=[name])
+remember()
 facts["late"] = [life.state()[0], life.late, chain_ok()]
 registry.install(only=[name])
+remember()
 facts["twice"] = [sorted(map(repr, life.wrapped())) == sorted(map(repr, wrapped)), chain_ok()]
 registry.install(only=[name], skip=[name])
 facts["skipped"] = [life.state()[0], restored()]

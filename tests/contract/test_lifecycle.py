@@ -263,14 +263,37 @@ def test_reinstall_after_a_timely_install_is_not_late_and_does_not_probe_again(t
     assert module.Target().compute(1) == 4
 
 
-def test_uninstall_leaves_a_wrapper_stacked_on_top_of_ours_and_says_so(target, register):
+def test_uninstall_takes_ours_out_from_under_a_wrapper_stacked_on_top(target, register):
     module = importlib.import_module(target())
+    original = raw(module)
     fix = register(DoublingFix(module.__name__))
     registry.install(only=[fix.name])
     wrapt.wrap_function_wrapper(module.Target, "compute", lambda wrapped, instance, args, kwargs: wrapped(*args, **kwargs) + 100)
-    with pytest.warns(OverlayWarning, match="wrapped again after the overlay"):
+    outer = raw(module)
+    assert module.Target().compute(1) == 104
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         registry.uninstall(only=[fix.name])
-    assert module.Target().compute(1) == 104  # the outer wrapper survives, ours inside it
+    assert raw(module) is outer and outer.__wrapped__ is original  # the outer wrapper survives, ours is gone
+    assert module.Target().compute(1) == 102
+
+
+def test_uninstall_under_a_plain_decorator_leaves_ours_and_says_so(target, register):
+    import functools
+
+    module = importlib.import_module(target())
+    fix = register(DoublingFix(module.__name__))
+    registry.install(only=[fix.name])
+    inner = raw(module)
+
+    @functools.wraps(inner)
+    def decorated(self, x):
+        return inner(self, x) + 100
+
+    module.Target.compute = decorated
+    with pytest.warns(OverlayWarning, match="wrapped again after the overlay, not by wrapt"):
+        registry.uninstall(only=[fix.name])
+    assert module.Target().compute(1) == 104  # the outer decorator survives, ours inside it
 
 
 def test_disable_all_in_a_fresh_interpreter():

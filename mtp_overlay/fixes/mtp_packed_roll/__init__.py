@@ -1,0 +1,156 @@
+"""mtp-packed-roll: roll MTP labels, loss mask and inputs on the padded layout of packed (THD) batches.
+
+megatron-core 0.16-0.19.x: ``_roll_tensor_packed_seq`` takes the sequence boundaries from
+``packed_seq_params.cu_seqlens_q`` while packed tensors are laid out on ``cu_seqlens_q_padded``.
+Whenever the two differ, the MTP labels derived from ``input_ids`` (labels=None, Megatron-LM PR
+#3457) and every roll of ``loss_mask`` cut the wrong spans: under CP the local offsets
+``start // cp_size`` point into the wrong chunks (IndexError, mismatched exchanges, or silently
+shifted targets); without CP the roll wraps inside padding. Its per-sequence exchanges and
+``roll_tensor``'s run on the world group (Megatron-LM #6746). Upstream: padded boundaries on ``dev``
+(Megatron-LM #4494); on main #4495/#6205 and the logical-end mask #7278 are open.
+
+The hook replaces both rolls with `roll.roll_packed`: one vectorised roll on the padded boundaries,
+each sequence's last real token and its padding zeroed (#7278), one all-gather over the CP group per
+roll. It returns what stock returns: the rolled tensor and its local sum (``process_mtp_loss`` divides
+each depth's MTP loss by that count).
+"""
+
+from ...contract import Fix, Marker, Provenance, drifted, needed, redundant
+
+PADDED = "cu_seqlens_q_padded"
+# parameters by shape -> the releases that have it
+ROLL_SIGNATURES = {
+    ("tensor", "shifts", "dims", "cp_group", "packed_seq_params"): "0.16-0.19",
+    ("tensor", "shifts", "dims", "cp_group", "packed_seq_params", "return_sum"): "main (2026-08)",
+}
+PACKED_SIGNATURES = {
+    ("tensor", "shifts", "dims", "packed_seq_params", "cp_group"): "0.16-0.19",
+    ("tensor", "shifts", "dims", "packed_seq_params", "cp_group", "return_sum"): "main (2026-08)",
+}
+
+
+def stock_rolls(module):
+    """(roll_tensor, _roll_tensor_packed_seq) as upstream defined them (None where missing)."""
+    import inspect
+
+    return tuple(
+        None if vars(module).get(name) is None else inspect.unwrap(vars(module)[name])
+        for name in ("roll_tensor", "_roll_tensor_packed_seq")
+    )
+
+
+class PackedRollFix(Fix):
+    name = "mtp-packed-roll"
+    summary = "Roll packed MTP labels/loss mask on cu_seqlens_q_padded, masking each sequence's end, over the CP group."
+    distribution = "megatron-core"
+    provenance = Provenance(
+        origin="NeMo-RL model_slices_context_parallel_inputs path (PR #3494): unpadded cu_seqlens_q under CP",
+        upstream_fix="Megatron-LM PR #4494 (dev), #6205/#4495 and #7278 (main, open), #6746 (CP group)",
+    )
+    # dev's roll reaches the padded boundaries through a helper (_get_packed_roll_cu_seqlens)
+    marker = Marker("megatron.core.transformer.multi_token_prediction", "roll_tensor", PADDED)
+    families = {"0.16": ">=0.16.0,<0.17", "0.17-0.19": ">=0.17.0,<0.20"}
+
+    def probe(self, module):
+        roll, packed = stock_rolls(module)
+        if roll is not None and self.marker.in_function(roll):
+            return redundant(
+                f"roll_tensor already reads packed_seq_params.{PADDED} (Megatron-LM #4494/#6205, or patched on disk)"
+            )
+        if roll is None or packed is None:
+            return drifted(f"{module.__name__} has no {'roll_tensor' if roll is None else '_roll_tensor_packed_seq'}")
+        for function, known in ((roll, ROLL_SIGNATURES), (packed, PACKED_SIGNATURES)):
+            parameters = _parameters(function)
+            if parameters not in known:
+                shapes = "; ".join(f"{family}: {p}" for p, family in known.items())
+                return drifted(f"{function.__name__}{parameters} matches none of {shapes}")
+        family = PACKED_SIGNATURES[_parameters(packed)]
+        return needed(f"megatron-core {family} shape: the packed roll reads cu_seqlens_q")
+
+    def wrappers(self, module):
+        import inspect
+
+        roll_signature, packed_signature = (inspect.signature(f) for f in stock_rolls(module))
+
+        def rolled_and_sum(rolled, arguments):
+            return rolled, (rolled.sum() if arguments.get("return_sum", True) else None)
+
+        def roll_packed_seq(wrapped, instance, args, kwargs):
+            arguments = _bound(packed_signature, args, kwargs)
+            tensor = arguments["tensor"]
+            if tensor is None or not _left_shift_on_last_dim(tensor, arguments):
+                return wrapped(*args, **kwargs)  # stock refuses these with its own assertion
+            rolled = roll_packed_seq_params(tensor, arguments["packed_seq_params"], arguments["cp_group"])
+            return rolled_and_sum(rolled, arguments)
+
+        def roll_tensor(wrapped, instance, args, kwargs):
+            arguments = _bound(roll_signature, args, kwargs)
+            tensor, group = arguments["tensor"], arguments["cp_group"]
+            unpacked_cp = tensor is not None and arguments["packed_seq_params"] is None and _size(group) > 1
+            if not unpacked_cp or not _left_shift_on_last_dim(tensor, arguments):
+                return wrapped(*args, **kwargs)  # packed calls reach roll_packed_seq through stock
+            return rolled_and_sum(roll_unpacked_cp(tensor, group), arguments)
+
+        yield module, "_roll_tensor_packed_seq", roll_packed_seq
+        yield module, "roll_tensor", roll_tensor
+
+
+def roll_packed_seq_params(tensor, packed_seq_params, cp_group=None):
+    """``tensor`` (a CP-local packed row, [..., T]) rolled left by one as megatron-core's packed MTP
+    roll should: on ``cu_seqlens_q_padded`` (else ``cu_seqlens_q``), zero from each sequence's last
+    real token on, one all-gather over ``cp_group``. ValueError naming the bad boundary argument."""
+    import torch
+
+    from .roll import plan_for, roll_packed
+
+    real = getattr(packed_seq_params, "cu_seqlens_q", None)
+    if real is None:
+        raise ValueError(
+            "packed_seq_params.cu_seqlens_q is None: the packed MTP roll needs the real sequence boundaries"
+        )
+    cp_size = _size(cp_group)
+    cp_rank = torch.distributed.get_rank(group=cp_group) if cp_size > 1 else 0
+    padded = getattr(packed_seq_params, PADDED, None)
+    plan = plan_for(real, padded, tensor.shape[-1], cp_size, cp_rank, tensor.device)
+    return roll_packed(tensor, plan, cp_group)
+
+
+def roll_unpacked_cp(tensor, cp_group):
+    """Unpacked rows under CP (each row one sequence in the 2*cp-chunk layout): stock's values, but
+    one all-gather over ``cp_group`` instead of world-group send/recv (Megatron-LM #6746)."""
+    import torch
+
+    from .roll import plan_for, roll_packed
+
+    length = tensor.shape[-1]
+    if length % 2:
+        raise ValueError(
+            f"tensor: a CP-local sequence holds two chunks, so its length must be even, got {length} "
+            f"(shape {list(tensor.shape)})"
+        )
+    cp_size, cp_rank = _size(cp_group), torch.distributed.get_rank(group=cp_group)
+    whole = (0, length * cp_size)
+    return roll_packed(tensor, plan_for(whole, whole, length, cp_size, cp_rank, tensor.device), cp_group)
+
+
+def _parameters(function):
+    import inspect
+
+    return tuple(inspect.signature(function).parameters)
+
+
+def _bound(signature, args, kwargs):
+    bound = signature.bind(*args, **kwargs)
+    bound.apply_defaults()
+    return bound.arguments
+
+
+def _left_shift_on_last_dim(tensor, arguments):
+    return arguments["shifts"] == -1 and arguments["dims"] in (-1, tensor.dim() - 1)
+
+
+def _size(group):
+    return 1 if group is None else group.size()
+
+
+FIX = PackedRollFix()
