@@ -29,8 +29,10 @@ Packing and CP sharding (``packing``), vectorised, no Python loop over sequences
         ``2*cp_size`` chunks, rank r keeps chunks r and ``2*cp_size-1-r``. Without
         ``cu_seqlens_padded`` each row is one sequence.
     cp_local_indices(cu_seqlens_padded, cp_size, cp_rank) -> positions rank keeps
-    packed_seq_params(packed) -> megatron PackedSeqParams (thd; padded boundaries as cu_seqlens_q,
-        because megatron-core 0.19 rolls MTP labels and mask by cu_seqlens_q)
+    packed_seq_params(packed, real_lengths=False) -> megatron PackedSeqParams (thd). The tensors sit
+        on the padded boundaries; cu_seqlens_q holds them too (NeMo-RL's default), or with
+        real_lengths=True the real ones (the model_slices_context_parallel_inputs path: the MTP roll
+        then needs fix mtp-packed-roll)
 
 Layout (``layout``)
     model_slices_context_parallel(model) -> bool

@@ -133,20 +133,24 @@ def cp_local_indices(cu_seqlens_padded, cp_size, cp_rank, total=None, device=Non
     return _ramp(run_sizes, run_sources - _cumulative(run_sizes)[:-1])
 
 
-def packed_seq_params(packed):
+def packed_seq_params(packed, real_lengths=False):
     """megatron-core PackedSeqParams (THD) for a `PackedBatch`.
 
-    ``cu_seqlens_q/kv`` are the PADDED boundaries: megatron-core 0.19's MTP ``roll_tensor`` rolls
-    labels and loss mask by ``cu_seqlens_q`` alone, so real lengths there would roll across the
-    padding of every earlier sequence. Pad slots are masked out of the loss instead.
+    The tensors are laid out on the padded boundaries (``cu_seqlens_q_padded``). ``cu_seqlens_q``
+    holds them too by default (NeMo-RL's default path): stock megatron-core 0.19 rolls the MTP labels
+    and loss mask by ``cu_seqlens_q`` alone, and pad slots are masked out of the loss instead.
+    ``real_lengths=True`` puts the real boundaries there (NeMo-RL's ``model_slices_context_parallel_inputs``
+    path, PR #3494): attention then skips the padding, and the MTP roll needs fix mtp-packed-roll (or an
+    upstream rolling on the padded boundaries, Megatron-LM #4494).
     """
     from megatron.core.packed_seq_params import PackedSeqParams
 
     cu = packed.cu_seqlens_padded
+    real = packed.cu_seqlens if real_lengths else cu
     return PackedSeqParams(
         qkv_format="thd",
-        cu_seqlens_q=cu,
-        cu_seqlens_kv=cu,
+        cu_seqlens_q=real,
+        cu_seqlens_kv=real,
         cu_seqlens_q_padded=cu,
         cu_seqlens_kv_padded=cu,
         max_seqlen_q=packed.max_seqlen,

@@ -42,6 +42,8 @@ from .tiny_hybrid import local_hybrid_stack_spec
 KINDS = ("qwen3", "nemotron_h")
 BRIDGE_MISSING = "megatron-bridge is not installed (scripts/setup.sh installs megatron-bridge 0.6.2 --no-deps)"
 MTP_SCATTER_FIX = "mtp-sp-scatter"
+# a fixed case's MTP loss under CP equals TP1's only with the CP loss scale fixed too
+FIXES = (MTP_SCATTER_FIX, "mtp-cp-loss-scale")
 
 
 def bridge_installed():
@@ -215,7 +217,7 @@ def _with_scatter_option(provider):
 class Case:
     """One training case: ``kind`` (KINDS) on a ``tp`` x ``cp`` layout (the rest of the spawned ranks
     are data parallel, fed the same batch), sequence parallelism, the embedding's scatter setting, and
-    whether the mtp-sp-scatter fix is installed for it."""
+    whether the mtp-sp-scatter fix (with mtp-cp-loss-scale) is installed for it."""
 
     kind: str
     tp: int = 1
@@ -294,10 +296,9 @@ def run_cases(cases, *, seed=1234):
             parallel_state.initialize_model_parallel(
                 tensor_model_parallel_size=case.tp, pipeline_model_parallel_size=1, context_parallel_size=case.cp
             )
+        mtp_overlay.uninstall(only=FIXES)
         if case.fix:
-            mtp_overlay.install(only=[MTP_SCATTER_FIX])
-        else:
-            mtp_overlay.uninstall(only=[MTP_SCATTER_FIX])
+            mtp_overlay.install(only=FIXES)
         torch.manual_seed(seed)
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
         model = build_bridge_model(

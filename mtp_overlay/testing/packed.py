@@ -84,8 +84,6 @@ def make_packed_row(lengths, *, pad_multiple=1, flavour="padded", prompts=None, 
 
     ``prompts``: per sequence, how many leading tokens the loss mask leaves out (default none).
     """
-    from megatron.core.packed_seq_params import PackedSeqParams
-
     from .. import mtp
 
     if flavour not in FLAVOURS:
@@ -109,18 +107,7 @@ def make_packed_row(lengths, *, pad_multiple=1, flavour="padded", prompts=None, 
     padded = packed.cu_seqlens_padded.long()
     slot = torch.arange(int(padded[-1]))
     position_ids = (slot - padded[torch.searchsorted(padded, slot, right=True) - 1])[None, :]
-    if flavour == "padded":
-        params = mtp.packed_seq_params(packed)
-    else:
-        params = PackedSeqParams(
-            qkv_format="thd",
-            cu_seqlens_q=packed.cu_seqlens,
-            cu_seqlens_kv=packed.cu_seqlens,
-            cu_seqlens_q_padded=packed.cu_seqlens_padded,
-            cu_seqlens_kv_padded=packed.cu_seqlens_padded,
-            max_seqlen_q=packed.max_seqlen,
-            max_seqlen_kv=packed.max_seqlen,
-        )
+    params = mtp.packed_seq_params(packed, real_lengths=flavour == "unpadded")
     return PackedRow(
         input_ids=packed.input_ids,
         labels=labels,

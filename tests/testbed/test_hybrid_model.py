@@ -28,7 +28,7 @@ def test_hybrid_holds_the_tiny_gpts_parameters_in_order(tp1):
 @pytest.mark.parametrize("layout", layout_params("tp1", "cp2", "tp2_sp", "tp2_cp2_sp"))
 def test_hybrid_trains_exactly_like_the_tiny_gpt(request, tp1, layout):
     """Same losses, MTP token counts and gradients as the GPT in the same layout (tiny_gpt.train_step),
-    and the same losses as at TP1."""
+    and the same losses as at TP1 (under CP with mtp-cp-loss-scale on)."""
     ranks = request.getfixturevalue(layout)
     for rank in ranks:
         gpt, hybrid = rank["bshd/gpt"], rank["bshd/hybrid"]

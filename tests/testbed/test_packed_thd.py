@@ -18,7 +18,6 @@ from mtp_overlay.testing.packed import expected_mtp
 
 TOLERANCE = 1e-5
 ALL_LAYOUTS = layout_params(*LAYOUTS)
-ROLL_DEFECT = "megatron-core 0.19.2 packed MTP roll (Megatron-LM #4494): cured by mtp-packed-roll"
 
 
 def task(labels):
@@ -95,22 +94,43 @@ def test_unpadded_flavour_lm_equals_each_sequence_alone(request, tp1, layout, la
         assert_lm_matches(result, tp1[0][f"reference/{model}/{task(labels)}"], real)
 
 
-@pytest.mark.xfail(strict=True, reason=ROLL_DEFECT)
 @pytest.mark.parametrize("labels", [True, False], ids=task)
 @pytest.mark.parametrize("layout", ALL_LAYOUTS)
-def test_unpadded_flavour_mtp_equals_each_sequence_alone(request, tp1, layout, labels):
+def test_unpadded_flavour_mtp_is_wrong_on_stock_and_equals_each_sequence_alone_with_mtp_packed_roll(
+    request, tp1, layout, labels
+):
     """Stock megatron-core rolls the packed MTP labels and loss mask by cu_seqlens_q, i.e. by the real
     boundaries in a padded layout (under CP divided by the CP size): positions from the second sequence
-    on train shifted targets or none, and padding slots train."""
+    on train shifted targets or none, and padding slots train (Megatron-LM #4494/#6205). With
+    mtp-packed-roll the MTP targets, losses and every gradient equal each sequence alone."""
     reference = tp1[0][f"reference/hybrid/{task(labels)}"]
-    result = request.getfixturevalue(layout)[0][packed_name("hybrid", "unpadded", labels)]
+    results = request.getfixturevalue(layout)[0]
+    stock = results[packed_name("hybrid", "unpadded", labels)]
+    fixed = results[packed_name("hybrid", "unpadded", labels) + "/roll-fixed"]
     real = row_of(layout, "unpadded").real_slots().numpy()
-    stock, expected = trained(result, real), trained(reference)
-    assert stock == expected and not result.mtp[0]["trained"][~real].any(), (
-        f"stock trains {len(stock - expected)} wrong (slot, target) pairs and misses {len(expected - stock)} of "
-        f"{len(expected)}; {int(result.mtp[0]['trained'][~real].sum())} padding slots trained; MTP loss "
-        f"{mtp_mean_loss(result):.5f} vs {mtp_mean_loss(reference):.5f} each sequence alone"
-    )
+    expected = trained(reference)
+    assert trained(stock, real) != expected or stock.mtp[0]["trained"][~real].any()
+    assert grad_delta(stock, reference) > 1e-3
+    assert trained(fixed, real) == expected and not fixed.mtp[0]["trained"][~real].any()
+    assert max_abs(fixed.mtp[0]["losses"][real], reference.mtp[0]["losses"]) <= TOLERANCE
+    assert grad_delta(fixed, reference) <= TOLERANCE
+
+
+@pytest.mark.parametrize("flavour", ["padded", "unpadded"])
+def test_without_a_mask_mtp_packed_roll_masks_each_sequence_end_and_its_padding(tp1, flavour):
+    """No loss mask (all ones, padding included): stock trains padding targets from each padded
+    sequence's last-but-one real token on. Given the real lengths (unpadded flavour), mtp-packed-roll
+    masks every sequence's last real token(s) and its padding (Megatron-LM #7278), so exactly the real
+    next-token targets train; the padded flavour tells nobody where a sequence really ends, so there
+    the fix trains what stock trains and only a loss mask zero on padding helps (test above)."""
+    row = row_of("tp1", flavour)
+    unmasked = dataclasses.replace(row, prompts=(0,) * len(row.prompts))
+    weights, targets = (t.numpy() for t in expected_mtp(unmasked, labels=False))
+    expected = {(int(slot), int(targets[slot])) for slot in np.nonzero(weights)[0]}
+    stock = tp1[0][packed_name("hybrid", flavour, False, None)]
+    fixed = tp1[0][packed_name("hybrid", flavour, False, None) + "/roll-fixed"]
+    assert trained(stock) != expected
+    assert trained(fixed) == (expected if flavour == "unpadded" else trained(stock))
 
 
 def test_reference_trains_the_expected_mtp_targets(tp1):

@@ -22,7 +22,8 @@ CONCAT_CRASH = "Sizes of tensors must match except in dimension 2"
 @pytest.mark.parametrize("layout", SP_LAYOUTS)
 def test_sp_scatter_not_scattering_hybrid_crashes_without_the_fix_and_matches_with_it(request, tp1, layout):
     """BSHD (tiny_gpt.train_step): stock crashes in the MTP concat on every rank; with the fix the model
-    trains exactly like the same HybridModel that scatters its own embedding, and like TP1."""
+    trains exactly like the same HybridModel that scatters its own embedding, and like TP1 (under CP
+    with mtp-cp-loss-scale on both)."""
     ranks = request.getfixturevalue(layout)
     assert all(CONCAT_CRASH in rank["sp_scatter/bshd/off"]["error"] for rank in ranks)
     fixed, scattering = ranks[0]["sp_scatter/bshd/on"], ranks[0]["bshd/hybrid"]
@@ -102,11 +103,20 @@ def test_loss_mask_scoped_around_a_model_that_slices_cp_itself(tp1, cp2):
         assert trained(rank["loss_mask/wrapper/scoped/off"]) == trained(tp1[0]["packed/hybrid/padded/rl/None"])
 
 
-def test_loss_mask_refuses_the_unpadded_flavour_today(cp2):
-    """cu_seqlens_q != cu_seqlens_q_padded: stock would roll the MTP labels and mask across padding
-    (see test_packed_thd); the hook refuses with a ValueError until mtp-packed-roll replaces the refusal."""
+def test_loss_mask_in_the_unpadded_flavour_needs_mtp_packed_roll_and_trains_right_with_it(tp1, cp2):
+    """cu_seqlens_q != cu_seqlens_q_padded (NeMo-RL's model_slices_context_parallel_inputs path): with
+    the stock roll the hook refuses, naming mtp-packed-roll (stock would roll the MTP labels and mask
+    across the padding, see test_packed_thd); with mtp-packed-roll on the same call trains exactly the
+    response tokens and equals each sequence alone."""
     row = row_of("cp2", "unpadded")
+    reference = tp1[0]["reference/hybrid/rl"]
+    real = row.real_slots().numpy()
     for rank in cp2:
         error = rank["loss_mask/unpadded/on"].error
         assert error.startswith(f"ValueError: packed_seq_params.cu_seqlens_q {row.cu_seqlens.tolist()} differs from ")
-        assert f"cu_seqlens_q_padded {row.cu_seqlens_padded.tolist()}" in error
+        assert f"cu_seqlens_q_padded {row.cu_seqlens_padded.tolist()}" in error and "mtp-packed-roll" in error
+        fixed = rank["loss_mask/unpadded/on+roll"]
+        assert fixed.error is None, fixed.error
+        assert trained(fixed, real) == trained(reference)
+        assert max_abs(fixed.mtp[0]["losses"][real], reference.mtp[0]["losses"]) <= TOLERANCE
+        assert grad_delta(fixed, reference) <= TOLERANCE

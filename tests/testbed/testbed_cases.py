@@ -12,7 +12,8 @@ from mtp_overlay.mtp import padding_multiple
 LENGTH_RANGE, SEED = (3, 15), 1
 PROMPTS = (2, 0, 3, 1)
 MODELS = ("gpt", "hybrid")
-LOSS_MASK, SP_SCATTER = "mtp-loss-mask", "mtp-sp-scatter"
+LOSS_MASK, SP_SCATTER, PACKED_ROLL = "mtp-loss-mask", "mtp-sp-scatter", "mtp-packed-roll"
+CP_LOSS_SCALE = "mtp-cp-loss-scale"
 GQA = dict(num_query_groups=2)  # 4 query heads share 2 K/V heads
 
 # world size, TP, CP, sequence parallelism, and the per-sequence padding multiple NeMo-RL uses for
@@ -47,8 +48,10 @@ def plan(layout):
     spec = LAYOUTS[layout]
     sp = dict(sequence_parallel=True) if spec["sp"] else {}
     row = dict(pad_multiple=spec["pad_multiple"])
-    cases = [dict(name=f"bshd/{model}", kind="bshd", model=model, model_kwargs=sp, params=layout == "tp1")
-             for model in MODELS]
+    # under CP the BSHD step's logged MTP loss equals TP1's only with mtp-cp-loss-scale
+    cp_fix = (CP_LOSS_SCALE,) if spec["cp"] > 1 else ()
+    cases = [dict(name=f"bshd/{model}", kind="bshd", model=model, model_kwargs=sp, params=layout == "tp1",
+                  fixes=cp_fix) for model in MODELS]
     for model in MODELS:
         for flavour in ("padded", "unpadded"):
             for labels in (True, False):
@@ -64,6 +67,15 @@ def plan(layout):
         for flavour in ("padded", "unpadded"):  # stock MTP without a loss mask (RL)
             cases.append(dict(name=packed_name("hybrid", flavour, False, None), kind="packed", model="hybrid",
                               row=dict(row, flavour=flavour), labels=False, loss_mask=None))
+    for labels in (True, False):  # the unpadded flavour with mtp-packed-roll on (stock: the cases above)
+        cases.append(dict(name=packed_name("hybrid", "unpadded", labels) + "/roll-fixed", kind="packed",
+                          model="hybrid", model_kwargs=sp, row=dict(row, flavour="unpadded"), labels=labels,
+                          fixes=(PACKED_ROLL,)))
+    if layout == "tp1":
+        for flavour in ("padded", "unpadded"):  # no loss mask, mtp-packed-roll on
+            cases.append(dict(name=packed_name("hybrid", flavour, False, None) + "/roll-fixed", kind="packed",
+                              model="hybrid", row=dict(row, flavour=flavour), labels=False, loss_mask=None,
+                              fixes=(PACKED_ROLL,)))
     if spec["cp"] > 1:
         cases.append(dict(name="packed/hybrid/padded/sft/gqa", kind="packed", model="hybrid",
                           model_kwargs=dict(sp, **GQA), row=dict(row, flavour="padded"), labels=True))
@@ -74,7 +86,7 @@ def plan(layout):
         for fixes in ((), (SP_SCATTER,)):
             state = "on" if fixes else "off"
             cases.append(dict(name=f"sp_scatter/bshd/{state}", kind="bshd", model="hybrid",
-                              model_kwargs=not_scattering, fixes=fixes))
+                              model_kwargs=not_scattering, fixes=fixes + cp_fix))
             cases.append(dict(name=f"sp_scatter/packed/{state}", kind="packed", model="hybrid",
                               model_kwargs=not_scattering, row=dict(row, flavour="padded"), labels=True, fixes=fixes))
     return cases
@@ -97,6 +109,8 @@ def loss_mask_cases(row):
                  fixes=fixes),
         ]
     cases.append(dict(base, name="loss_mask/unpadded/on", row=dict(row, flavour="unpadded"), fixes=(LOSS_MASK,)))
+    cases.append(dict(base, name="loss_mask/unpadded/on+roll", row=dict(row, flavour="unpadded"),
+                      fixes=(LOSS_MASK, PACKED_ROLL)))
     return cases
 
 

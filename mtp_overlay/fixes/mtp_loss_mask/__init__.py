@@ -10,17 +10,17 @@ The hook on ``GPTModel.forward`` and ``HybridModel.forward``:
 - a mask scoped by the trainer (``mtp_overlay.mtp.loss_mask_scope``) reaches the model as
   ``loss_mask`` when the caller passes none (MTP models, ``labels=None`` only);
 - every ``loss_mask`` reaching the model is checked against the tokens' layout (same shape as
-  ``input_ids``; packed input: zeros in every padding slot; and, while megatron-core rolls packed
-  MTP tensors by ``cu_seqlens_q`` alone, ``cu_seqlens_q`` must equal ``cu_seqlens_q_padded``),
+  ``input_ids``; packed input: zeros in every padding slot; and, unless mtp-packed-roll makes
+  megatron-core roll packed MTP tensors on the padded layout, ``cu_seqlens_q`` must equal
+  ``cu_seqlens_q_padded``),
   raising ValueError instead of failing deep inside Megatron or training on shifted positions.
 """
-
-import sys
 
 from ...contract import Fix, Provenance, drifted, needed
 from ...mtp.config import FIRST_RELEASE
 
 MODEL_CLASSES = ("GPTModel", "HybridModel")  # one per target module
+PACKED_ROLL = "mtp-packed-roll"  # the fix that makes megatron-core roll packed MTP tensors on the padded layout
 REQUIRED_PARAMETERS = ("input_ids", "labels", "loss_mask", "packed_seq_params")
 
 
@@ -40,15 +40,6 @@ def derives_mtp_labels(module):
 
     process = getattr(module, "process_mtp_loss", None)
     return process is not None and "input_ids" in inspect.signature(process).parameters
-
-
-def mtp_rolls_by_cu_seqlens_q(module):
-    """True while megatron-core's packed MTP roll (in the module ``module`` takes `process_mtp_loss`
-    from) reads ``cu_seqlens_q`` and not the padded ones."""
-    mtp_module = sys.modules.get(getattr(getattr(module, "process_mtp_loss", None), "__module__", None))
-    roll = getattr(mtp_module, "_roll_tensor_packed_seq", None)
-    names = getattr(getattr(roll, "__code__", None), "co_names", ())
-    return "cu_seqlens_q" in names and "cu_seqlens_q_padded" not in names
 
 
 class LossMaskFix(Fix):
@@ -92,7 +83,6 @@ class LossMaskFix(Fix):
         positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
         parameters = list(inspect.signature(forward).parameters.values())[1:]  # self is bound by wrapt
         positions = {p.name: i for i, p in enumerate(parameters) if p.kind in positional}
-        check_boundaries = mtp_rolls_by_cu_seqlens_q(module)
 
         def argument(name, args, kwargs):
             if name in kwargs:
@@ -117,7 +107,7 @@ class LossMaskFix(Fix):
                 packed = argument("packed_seq_params", args, kwargs)
                 cp_size, cp_rank = _cp_size_rank(instance)
                 mtp.check_loss_mask_layout(input_ids, loss_mask, packed, cp_size, cp_rank)
-                if packed is not None and mtp_on and check_boundaries:
+                if packed is not None and mtp_on:
                     _check_roll_boundaries(packed)
             return wrapped(*args, **kwargs)
 
@@ -132,16 +122,26 @@ def _cp_size_rank(model):
 
 
 def _check_roll_boundaries(packed):
+    """Refuse real boundaries apart from the padded ones unless the MTP roll uses the padded ones
+    (fix mtp-packed-roll installed, or upstream rolling on them): stock megatron-core 0.19 rolls the
+    MTP labels and loss_mask by ``cu_seqlens_q`` alone (Megatron-LM #4494/#6205)."""
     import torch
 
+    from ... import registry
+    from ...contract import State
+
     real, padded = packed.cu_seqlens_q, packed.cu_seqlens_q_padded
-    if padded is not None and not torch.equal(torch.as_tensor(real).long(), torch.as_tensor(padded).long()):
-        raise ValueError(
-            f"packed_seq_params.cu_seqlens_q {real.tolist()[:16]} differs from cu_seqlens_q_padded "
-            f"{padded.tolist()[:16]}: this megatron-core rolls the MTP labels and loss_mask by cu_seqlens_q "
-            "alone, so in a padded packed layout every sequence after the first would train on shifted "
-            "positions; pass the padded boundaries as cu_seqlens_q (mtp_overlay.mtp.packed_seq_params does)"
-        )
+    if padded is None or torch.equal(torch.as_tensor(real).long(), torch.as_tensor(padded).long()):
+        return
+    state, reason = registry.lifecycle(PACKED_ROLL).state()
+    if state in (State.INSTALLED, State.REDUNDANT):
+        return
+    raise ValueError(
+        f"packed_seq_params.cu_seqlens_q {real.tolist()[:16]} differs from cu_seqlens_q_padded "
+        f"{padded.tolist()[:16]}, and fix {PACKED_ROLL} is {state} ({reason}): stock megatron-core rolls the "
+        "MTP labels and loss_mask by cu_seqlens_q alone, so every sequence after the first would train on "
+        f"shifted positions; enable {PACKED_ROLL}, or pass the padded boundaries as cu_seqlens_q too"
+    )
 
 
 FIX = LossMaskFix()
