@@ -25,6 +25,7 @@ MEASURE = """
 import json, warnings
 warnings.simplefilter("ignore")
 from mtp_overlay import registry
+from mtp_overlay.testing.reproducers import reproducer
 rows = []
 for fix in registry.FIXES:
     if fix.distribution != {distribution!r}:
@@ -36,7 +37,7 @@ for fix in registry.FIXES:
         row["run"] = f"not run: the probe says {{row['state']}}"
     else:
         try:
-            shows, evidence = fix.reproduce()
+            shows, evidence = reproducer(fix)()
             row["run"] = ("needed" if shows else "redundant") + ": " + evidence
         except Exception as exc:
             row["run"] = f"not run: {{type(exc).__name__}}: {{exc}}"

@@ -10,6 +10,7 @@ import pytest
 
 from mtp_overlay import registry
 from mtp_overlay.fix import Verdict, distribution_version
+from mtp_overlay.testing.reproducers import reproducer
 
 
 @pytest.mark.parametrize("name", [fix.name for fix in registry.FIXES])
@@ -18,7 +19,7 @@ def test_fix_state_matches_upstream_behaviour(name):
     version = distribution_version(fix.distribution)
     if version is None:
         pytest.skip(f"{fix.distribution} is not installed")
-    shows, evidence = fix.reproduce()
+    shows, evidence = reproducer(fix)()
     measured = Verdict.NEEDED if shows else Verdict.REDUNDANT
     static = registry.check([name])[0]
     where = f"{fix.distribution} {version}"
