@@ -88,9 +88,11 @@ def sha(path):
 
 
 def patch(capsys, *args):
-    """Run `mtp-overlay patch ARGS --json` in process: (exit code, the fix reports)."""
+    """Run `mtp-overlay patch ARGS --json` in process on mtp-sp-scatter (or the --manifest's fixes):
+    (exit code, the fix reports)."""
     capsys.readouterr()
-    code = main(["patch", *args, "--json"])
+    only = [] if "--manifest" in args or "--only" in args else ["--only", "mtp-sp-scatter"]
+    code = main(["patch", *args, *only, "--json"])
     out = capsys.readouterr().out
     return code, json.loads(out) if out.strip() else []
 
