@@ -119,16 +119,17 @@ class ServerDefaults:
         self.lock = threading.RLock()
         self._servers = weakref.WeakKeyDictionary()  # renderer -> {"chat_template"|NATIVE: (value, consumer)}
 
-    def _entry(self, renderer):
-        """{name: (value, consumer that fixed it)} of the server on ``renderer`` ({} when none)."""
+    def _entry(self, renderer, create=False):
+        """{name: (value, consumer that fixed it)} of the server on ``renderer``: None when there is
+        none (or, ``renderer`` not weakly referenceable, e.g. None, when there can be none)."""
         try:
-            return dict(self._servers.get(renderer) or {})
-        except TypeError:  # not weakly referenceable (None): no server to share with
-            return {}
+            return self._servers.setdefault(renderer, {}) if create else self._servers.get(renderer)
+        except TypeError:
+            return None
 
     def resolve(self, renderer, consumer, template, kwargs):
         """The (template, kwargs) ``consumer`` must be built with; None means "not given"."""
-        entry = self._entry(renderer)
+        entry = self._entry(renderer) or {}
         resolved = []
         for name, value, default in (("chat_template", template, None), (NATIVE, kwargs, {})):
             if name not in entry:
@@ -146,12 +147,10 @@ class ServerDefaults:
 
     def commit(self, renderer, consumer, template, kwargs):
         """Record the values a consumer was built with, unless its server has them already."""
-        try:
-            entry = self._servers.setdefault(renderer, {})
-        except TypeError:
-            return
-        entry.setdefault("chat_template", (template, consumer))
-        entry.setdefault(NATIVE, (kwargs, consumer))
+        entry = self._entry(renderer, create=True)
+        if entry is not None:
+            entry.setdefault("chat_template", (template, consumer))
+            entry.setdefault(NATIVE, (kwargs, consumer))
 
 
 SERVERS = ServerDefaults()

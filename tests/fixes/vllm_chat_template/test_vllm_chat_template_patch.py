@@ -174,3 +174,82 @@ def test_reproducer_shows_the_bug_on_stock_vllm():
     shows, evidence = reproducer(registry.get(NAME))()
     assert shows, evidence
     assert "renders a chat with an <image> placeholder as '<tmp>/chat.jinja': the path" in evidence
+
+
+# --- the hook's lifecycle and the shared server state, in this process -----------------------------
+@pytest.fixture
+def overlay():
+    """``overlay(True/False)`` switches the fix; it is back on after the test."""
+    import mtp_overlay
+
+    def switch(on):
+        mtp_overlay.uninstall(only=[NAME])
+        if on:
+            mtp_overlay.install(only=[NAME])
+
+    yield switch
+    switch(True)
+
+
+def test_uninstall_restores_every_constructor_and_install_wraps_once(overlay):
+    import importlib
+
+    owners = [getattr(importlib.import_module(module), class_name) for module, class_name, _ in CONSUMERS]
+    overlay(True)
+    wrapped = [vars(owner)["__init__"] for owner in owners]
+    originals = [init.__wrapped__ for init in wrapped]
+    assert all(type(init).__name__ == "FunctionWrapper" for init in wrapped)
+    overlay(False)
+    assert all(vars(owner)["__init__"] is original for owner, original in zip(owners, originals))
+    overlay(True)
+    registry.install(only=[NAME])
+    assert all(vars(owner)["__init__"].__wrapped__ is original for owner, original in zip(owners, originals))
+
+
+def test_one_kwargs_dict_per_server_and_servers_apart(overlay, tmp_path):
+    """Consumers on one renderer share the very kwargs dict (as `vllm serve` hands one to all); two
+    servers (two renderers) in one process keep their own values."""
+    from vllm.config import ModelConfig
+
+    from mtp_overlay.testing import vllm_serving as vs
+
+    vs.offline_environment()
+    model_config = ModelConfig(model=str(vs.write_tiny_model(tmp_path / "model", multimodal=False)))
+    template = tmp_path / "chat.jinja"
+    template.write_text(vs.FILE_TEMPLATE)
+
+    def server(kwargs):
+        built = vs.Server(model_config)
+        online = built.build("OnlineRenderer", chat_template=template, default_chat_template_kwargs=kwargs)
+        return online, built.build("ServingTokenization", online_renderer=online, chat_template=None)
+
+    overlay(False)
+    online, tokenization = server({"enable_thinking": False})
+    assert tokenization.default_chat_template_kwargs == {} and tokenization.chat_template is None
+
+    overlay(True)
+    first, first_tokenization = server({"enable_thinking": False})
+    second, second_tokenization = server({"enable_thinking": True})
+    assert first_tokenization.default_chat_template_kwargs is first.default_chat_template_kwargs
+    assert first_tokenization.chat_template == first.chat_template == vs.FILE_TEMPLATE
+    assert second_tokenization.default_chat_template_kwargs == {"enable_thinking": True}
+    assert first.default_chat_template_kwargs == {"enable_thinking": False}
+
+
+def test_a_call_the_constructor_cannot_take_fails_as_on_stock(overlay):
+    """No renderer to key a server by, or a missing required argument: upstream's own error, fix or not."""
+    from vllm.entrypoints.serve.tokenize.serving import ServingTokenization
+
+    from mtp_overlay.testing import vllm_serving as vs
+
+    errors = []
+    for on in (False, True):
+        overlay(on)
+        for call in (lambda: ServingTokenization(None, None, chat_template=vs.FILE_TEMPLATE, chat_template_content_format="auto"),
+                     lambda: ServingTokenization(None, None, chat_template_content_format="auto")):
+            with pytest.raises((AttributeError, TypeError)) as caught:
+                call()
+            errors.append(f"{type(caught.value).__name__}: {caught.value}")
+    assert errors[:2] == errors[2:]
+    assert errors[0] == "AttributeError: 'NoneType' object has no attribute 'model_config'"
+    assert "missing 1 required keyword-only argument: 'chat_template'" in errors[1]
