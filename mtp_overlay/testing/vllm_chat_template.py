@@ -72,10 +72,8 @@ def described(template):
 
 def consumer_view(consumers):
     """Each consumer's template and default template kwargs as it stores them."""
-    return {
-        name: [described(consumer.chat_template), getattr(consumer, KWARGS_ATTRIBUTE.get(name, "default_chat_template_kwargs"))]
-        for name, consumer in consumers.items()
-    }
+    kwargs = {name: KWARGS_ATTRIBUTE.get(name, "default_chat_template_kwargs") for name in consumers}
+    return {name: [described(each.chat_template), getattr(each, kwargs[name])] for name, each in consumers.items()}
 
 
 def renders(consumers, multimodal):
@@ -241,8 +239,8 @@ def observe(work, stock=True, multimodal=True):
     row = registry.check([NAME])[0]  # imports every target: the installed fix has seen them all
     status = registry.status([NAME])[0]
     observed["check"] = [row.state, row.reason]
-    observed["status"] = {"state": status.state, "patched": status.patched,
-                          "wrapped": [f"{owner.__name__}.{attribute}" for owner, attribute in registry.get(NAME).wrapped()]}
+    wrapped = [f"{owner.__name__}.{attribute}" for owner, attribute in registry.get(NAME).wrapped()]
+    observed["status"] = {"state": status.state, "patched": status.patched, "wrapped": wrapped}
     text = json.dumps(observed, default=repr)
     for path, name in ((Path(vllm.__file__).parent, "<vllm>"), (work, "<work>"), (public, "<public>")):
         text = text.replace(json.dumps(str(path))[1:-1], name)
@@ -263,8 +261,8 @@ def observe_in_subprocess(site, work, stock=True, multimodal=True, timeout=900):
 
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), env.get("PYTHONPATH")]))
-    result = subprocess.run([sys.executable, "-c", OBSERVE, str(work), "stock" if stock else "patched", str(int(multimodal))],
-                            capture_output=True, text=True, env=env, timeout=timeout)
+    command = [sys.executable, "-c", OBSERVE, str(work), "stock" if stock else "patched", str(int(multimodal))]
+    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout)
     lines = [line for line in result.stdout.splitlines() if line.startswith("OBSERVED ")]
     if result.returncode or not lines:
         raise RuntimeError(f"observe() failed with {site} first on the path:\n{result.stderr[-4000:]}")

@@ -1,7 +1,8 @@
 """vLLM's OpenAI-server consumers on a CPU machine, built directly or the way `vllm serve` builds them.
 
 What is real: a tiny LLaVA written locally (config, WordLevel ``tokenizer.json`` with its own chat
-template, CLIP image processor; no weights, no hub; a tiny Llama for vLLM 0.25.1), vLLM's ModelConfig / VllmConfig, the HfRenderer
+template, CLIP image processor; no weights, no hub; a tiny Llama for vLLM 0.25.1), vLLM's ModelConfig /
+VllmConfig, the HfRenderer
 with LLaVA's multimodal processor, InputProcessor, OnlineRenderer, OnlineDerenderer,
 ServingTokenization, OpenAIServingChat, OpenAIServingResponses, vLLM's own ``make_arg_parser`` and
 ``init_app_state`` (the state `vllm serve` builds), the chat route's and ``/tokenize``'s renders.

@@ -75,7 +75,9 @@ class VllmChatTemplateFix(Fix):
         init = inspect.unwrap(vars(owner)["__init__"])
         if LOADER in init.__code__.co_names:
             return redundant(f"{owner.__name__}.__init__ already calls {LOADER} (upstream, or patched on disk)")
-        return needed(f"{owner.__name__}.__init__ stores chat_template as given: a path would be rendered as the template")
+        return needed(
+            f"{owner.__name__}.__init__ stores chat_template as given: a path would be rendered as the template"
+        )
 
     def wrappers(self, module):
         from .resolve import construct
