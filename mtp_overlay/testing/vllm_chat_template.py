@@ -155,7 +155,7 @@ def bad_inputs(work, public):
         "unreadable": ({"chat_template": str(unreadable)}, True),
         "missing": ({"chat_template": str(work / "missing.jinja")}, False),
         "missing_path": ({"chat_template": work / "missing.jinja"}, False),
-        "bytes_path": ({"chat_template": BytesPath(work / "chat.jinja")}, False),
+        "bytes_path": ({"chat_template": BytesPath("chat.jinja")}, False),
         "number": ({"chat_template": 7}, False),
         "kwargs_list": ({"chat_template": OTHER_TEMPLATE, "default_chat_template_kwargs": ["enable_thinking"]}, False),
         "kwargs_keys": ({"chat_template": OTHER_TEMPLATE, "chat_template_kwargs": {1: False}}, False),

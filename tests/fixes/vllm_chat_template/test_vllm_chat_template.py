@@ -190,7 +190,14 @@ def test_patched_vllm_behaves_like_the_hook_and_the_hook_stands_down(world, vers
     """The DEP-3 patch applied to a copy of the release: every case observes what the hook gives,
     the CLI path renders as stock vLLM's, the probe says redundant and nothing is wrapped."""
     hooked, patched = world(version), world(f"{version} patched")
-    assert without_warning_category(patched["fixed"]) == without_warning_category(hooked["fixed"])
+    patched_cases, hooked_cases = without_warning_category(patched["fixed"]), without_warning_category(hooked["fixed"])
+    assert patched_cases.keys() == hooked_cases.keys()
+    for case, observed in hooked_cases.items():
+        if case == "bad":
+            for name, outcome in observed.items():
+                assert patched_cases[case][name] == outcome, name
+        else:
+            assert patched_cases[case] == observed, case
     assert all(w.startswith("UserWarning(True): ") for w in patched["fixed"]["both"]["warnings"])
     assert patched["cli"]["fixed"] == cli(hooked)
     assert patched["check"][0] == "redundant" and "already calls load_chat_template" in patched["check"][1]
