@@ -26,6 +26,17 @@ FIXES = [
         "device-normalized-broadcast",
         ("vllm.distributed.weight_transfer.packed_tensor", "vllm.distributed.weight_transfer.nccl_engine"),
     ),
+    (
+        "vllm-chat-template",
+        (
+            "vllm.renderers.online_renderer",
+            "vllm.renderers.online_derenderer",
+            "vllm.entrypoints.serve.tokenize.serving",
+            "vllm.entrypoints.openai.chat_completion.serving",
+            "vllm.entrypoints.openai.responses.serving",
+            "vllm.entrypoints.anthropic.serving",
+        ),
+    ),
 ]
 
 _lifecycles = {}  # fix id -> Lifecycle, made on first use

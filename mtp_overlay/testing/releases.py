@@ -55,6 +55,19 @@ def installed_site(distribution):
     return Path(metadata.distribution(distribution).locate_file(""))
 
 
+def record_sha256(distribution, site):
+    """{file: sha256} from the RECORD of ``distribution`` in folder ``site``: the hashes its wheel ships."""
+    import base64
+    from importlib import metadata
+
+    dist = next(iter(metadata.distributions(name=distribution, path=[str(site)])))
+    return {
+        str(file): base64.urlsafe_b64decode(file.hash.value + "==").hex()
+        for file in dist.files or ()
+        if file.hash is not None and file.hash.mode == "sha256"
+    }
+
+
 def copy_installed(distribution, destination, site=None):
     """Copy an installed distribution (its packages and dist-info) into ``destination``.
 

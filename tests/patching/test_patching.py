@@ -20,12 +20,13 @@ import pytest
 
 from mtp_overlay import registry
 from mtp_overlay.cli import main
-from mtp_overlay.contract import Fix
+from mtp_overlay.contract import Fix, distribution_version
 from mtp_overlay.lifecycle import Lifecycle
 from mtp_overlay.patching import engine, transaction
 from mtp_overlay.patching.manifest import DEFAULT_PATH, load, state_key
-from mtp_overlay.testing.patch_images import measure, patches_for
-from mtp_overlay.testing.releases import copy_installed, run_with_release
+from mtp_overlay.patching.survey import sha256
+from mtp_overlay.testing.patch_images import measure, patches_for, released_files
+from mtp_overlay.testing.releases import copy_installed, installed_site, record_sha256, release_site, run_with_release
 
 REPO = Path(__file__).resolve().parents[2]
 SP_SCATTER = registry.get("mtp-sp-scatter")
@@ -118,18 +119,21 @@ def leftovers(root):
 
 
 # --- the manifest ---------------------------------------------------------------------------------
-MEASURED = sorted(load().images["megatron-core"])
+MEASURED = [(distribution, version) for distribution, releases in load().images.items() for version in releases]
 
 
-@pytest.mark.parametrize("version", MEASURED)
-def test_manifest_hashes_are_those_of_the_released_wheels(version):
-    """Every measured release: the wheel's files have the manifest's released sha256, and applying every
-    combination of the fixes' patches to them gives exactly the manifest's other hashes."""
+@pytest.mark.parametrize(("distribution", "version"), MEASURED)
+def test_manifest_is_the_released_files_and_every_combination_of_patches(distribution, version):
+    """Every measured release: the files have the sha256 their wheel's RECORD ships, and applying every
+    combination of the fixes' patches to them gives exactly the manifest's hashes (in any order)."""
+    installed = distribution_version(distribution) == version
+    site = installed_site(distribution) if installed else release_site(distribution, version)
     fixes = [registry.get(name) for name in registry.names()]
-    patches = patches_for(fixes, "megatron-core", version, DEFAULT_PATH.parent)
-    images = load().images["megatron-core"][version]
-    with zipfile.ZipFile(wheel(version)) as archive:
-        released = {file: archive.read(file) for file in images}
+    patches = patches_for(fixes, distribution, version, DEFAULT_PATH.parent)
+    released = released_files(site, patches)
+    record = record_sha256(distribution, site)
+    assert {file: sha256(data) for file, data in released.items()} == {file: record[file] for file in released}
+    images = load().images[distribution][version]
     assert measure(patches, released) == {
         file: {state_key(applied): digest for applied, digest in states.items()} for file, states in images.items()
     }
