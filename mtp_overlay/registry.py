@@ -18,9 +18,9 @@ from .fix import (
     drifted,
     strict_from_env,
 )
-from .fixes import device_broadcast, loss_mask, modules_cache, sp_scatter
+from .fixes import device_broadcast, loss_mask, modules_cache, sp_scatter, vllm_mtp_drafter_load
 
-FIXES = [sp_scatter.FIX, loss_mask.FIX, modules_cache.FIX, device_broadcast.FIX]
+FIXES = [sp_scatter.FIX, loss_mask.FIX, modules_cache.FIX, device_broadcast.FIX, vllm_mtp_drafter_load.FIX]
 
 
 def get(name):

@@ -77,3 +77,21 @@ class RecordingCommunicator(HostCommunicator):
 
     def broadcast(self, tensor, src, stream=None):
         self.sent.append(tensor)
+
+
+class ReplayCommunicator(HostCommunicator):
+    """The receiving end of a `RecordingCommunicator`: each broadcast fills the buffer it is handed
+    with the next buffer the sender broadcast (the wire, on the host)."""
+
+    def __init__(self, sent, device):
+        super().__init__(device)
+        self._sent = iter(sent)
+
+    def broadcast(self, tensor, src, stream=None):
+        source = next(self._sent, None)
+        if source is None:
+            raise ValueError("the receiver asked for more buffers than the sender broadcast")
+        if (source.shape, source.dtype) != (tensor.shape, tensor.dtype):
+            raise ValueError(f"receive buffer {tuple(tensor.shape)} {tensor.dtype} does not match the sent "
+                             f"{tuple(source.shape)} {source.dtype}: sender and receiver disagree on the metadata")
+        tensor.copy_(source)
