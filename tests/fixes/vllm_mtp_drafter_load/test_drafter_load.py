@@ -319,3 +319,69 @@ def test_probe_reports_drift_and_redundancy_naming_what_it_found(module, old, ne
 def test_drafter_refit_refuses_what_is_not_a_drafter():
     with pytest.raises(TypeError, match="vLLM MTP drafter"):
         drafter_refit(torch.nn.Linear(2, 2))
+
+
+# --- refit freshness: the trainer's fingerprint against what the drafter received -----------------
+
+
+def packed_refit(model, stream, received, buffer=8192):
+    """vLLM's packed producer (device-normalized-broadcast hooked) into a host wire, then vLLM's
+    packed consumer feeding ``model.load_weights``, fingerprinting what it consumes into ``received``."""
+    from vllm.distributed.weight_transfer import packed_tensor
+
+    from mtp_overlay.mtp import record_fingerprints
+
+    assert mtp_overlay.status(only=["device-normalized-broadcast"])[0].state == "installed"
+    sender = RecordingCommunicator("cpu")
+    with host_streams():
+        packed_tensor.packed_nccl_broadcast_producer(iter(stream), sender, 0, lambda item: item[1], buffer_size_bytes=buffer)
+        metadata = ((name, (list(t.shape), t.dtype)) for name, t in stream)
+        with drafter_refit(model) as block:
+            packed_tensor.packed_nccl_broadcast_consumer(
+                metadata, ReplayCommunicator(sender.sent, "cpu"), 0,
+                lambda chunk: model.load_weights(record_fingerprints(chunk, received)),
+                buffer_size_bytes=buffer, device="cpu")
+    return len(sender.sent), block.report
+
+
+def test_trainer_fingerprint_equals_what_the_drafter_received_through_the_packed_broadcast(drafters, overlay):
+    from mtp_overlay.mtp import StaleDrafterError, check_fresh, compare_fingerprints, fingerprint, mtp_name_filter
+
+    model = drafters["nemotron_h"]
+    overlay(True, strict=True)
+    keep = mtp_name_filter(2, 1)
+    trainer = [(name, t.to(torch.bfloat16) if "proj" in name else t) for name, t in refit_stream(model, "mtp.*", seed=30)]
+    expected = fingerprint(trainer, keep=keep)
+    assert sorted(expected) == sorted(mtp_names(trainer)) and {d.dtype for d in expected.values()} == {"bfloat16", "float32"}
+
+    received = {}
+    chunks, report = packed_refit(model, trainer, received)
+    assert chunks > 1 and report.ok
+    assert received == fingerprint(trainer)  # every tensor, the backbone one included
+    check_fresh(expected, {name: received[name] for name in expected})
+
+    # the rollout got last step's head: same names, shapes and dtypes, other bytes
+    old = [(name, t.to(torch.bfloat16) if "proj" in name else t) for name, t in refit_stream(model, "mtp.*", seed=31)]
+    stale = {}
+    packed_refit(model, old, stale)
+    with pytest.raises(StaleDrafterError) as raised:
+        check_fresh(expected, {name: stale[name] for name in expected})
+    assert sorted(raised.value.problems) == sorted(expected)
+    assert all("differs in checksum" in why for why in raised.value.problems.values())
+
+    # one tensor touched after the fingerprint (a trainer step between fingerprint and send)
+    touched = [(name, t.clone()) for name, t in trainer]
+    touched[3][1].view(-1)[5] += 1
+    again = {}
+    packed_refit(model, touched, again)
+    assert list(compare_fingerprints(expected, {n: again[n] for n in expected})) == [touched[3][0]]
+
+
+def test_fingerprint_of_an_fp32_master_in_the_wire_dtype_matches_the_bf16_wire(drafters):
+    from mtp_overlay.mtp import fingerprint, record_fingerprints
+
+    master = refit_stream(drafters["nemotron_h"], "mtp.*", seed=32, with_target_names=False)
+    wire = [(name, t.to(torch.bfloat16)) for name, t in master]
+    received = {}
+    list(record_fingerprints(iter(wire), received))
+    assert fingerprint(master, dtype=torch.bfloat16) == received != fingerprint(master)
