@@ -218,6 +218,19 @@ class DeviceNormalizedBroadcastFix(Fix):
         upstream_fix=None,
         first_fixed_release=None,
     )
+    # on disk: the source patch makes the producer and the one-by-one path call this helper
+    marker = {"file": "vllm/distributed/weight_transfer/packed_tensor.py",
+              "function": "packed_nccl_broadcast_producer", "calls": "_on_communicator_device"}
+
+    def _patched(self, module):
+        """The function of ``module`` the source patch changed, when it calls the marker (else None)."""
+        path = one_by_one_path(module) if module.__name__ == NCCL_ENGINE else None
+        functions = [getattr(path[0], path[1])] if path else [vars(module)[n] for n in PRODUCERS if n in vars(module)]
+        for function in functions:
+            code = getattr(function, "__code__", None)
+            if code is not None and self.marker["calls"] in code.co_names:
+                return function.__qualname__
+        return None
 
     def probe(self, module):
         if module.__name__ == NCCL_ENGINE:
@@ -234,6 +247,9 @@ class DeviceNormalizedBroadcastFix(Fix):
         why = _producer_drift(module)
         if why is not None:
             return drifted(why)
+        patched = self._patched(module)
+        if patched is not None:
+            return redundant(f"{patched} already calls {self.marker['calls']} (patched on disk)")
         packed_tensor = module if module.__name__ == PACKED_TENSOR else importlib.import_module(PACKED_TENSOR)
         return stock_packing_verdict(packed_tensor)
 

@@ -41,7 +41,7 @@ def host_streams(module=None):
     stream = HostStream()
     module = module or importlib.import_module(PACKED_TENSOR)
     replacements = [
-        (module, "_get_streams", lambda index, count: (stream,) * count),
+        (torch.cuda, "Stream", lambda *args, **kwargs: stream),  # vLLM 0.25.1 makes its streams directly
         (torch.accelerator, "current_device_index", lambda: 0),
         (torch.accelerator, "current_stream", lambda device=None: stream),
         (torch.cuda, "stream", lambda s: contextlib.nullcontext()),
@@ -49,6 +49,8 @@ def host_streams(module=None):
         (torch, "Event", HostEvent),
         (torch.Tensor, "record_stream", lambda tensor, s: None),
     ]
+    if hasattr(module, "_get_streams"):  # vLLM 0.33.0 caches them
+        replacements.append((module, "_get_streams", lambda index, count: (stream,) * count))
     with contextlib.ExitStack() as stack:
         for owner, attribute, value in replacements:
             stack.enter_context(mock.patch.object(owner, attribute, value))
