@@ -26,27 +26,29 @@ KINDS = ("nemotron_h", "deepseek")
 BACKBONE = 2  # num_hidden_layers of both tiny configs: the MTP layer is layer 2 in positional naming
 
 
-def tiny_config(kind):
-    """The transformers config of a tiny target model with one MTP layer."""
+def tiny_config(kind, **overrides):
+    """The transformers config of a tiny target model with one MTP layer (``overrides``: config fields)."""
     if kind == "nemotron_h":
         from transformers import NemotronHConfig
 
-        return NemotronHConfig(
+        fields = dict(
             vocab_size=128, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
             layers_block_type=["mamba", "attention"], intermediate_size=64, mamba_num_heads=4, mamba_head_dim=8,
             n_groups=1, ssm_state_size=8, num_nextn_predict_layers=1, mtp_hybrid_override_pattern="*",
             max_position_embeddings=64, architectures=["NemotronHForCausalLM"], torch_dtype="float32",
         )
+        return NemotronHConfig(**{**fields, **overrides})
     if kind == "deepseek":
         from transformers import DeepseekV3Config
 
-        return DeepseekV3Config(
+        fields = dict(
             vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=BACKBONE,
             num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
             n_group=1, topk_group=1, first_k_dense_replace=100, q_lora_rank=None, kv_lora_rank=16,
             qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, num_nextn_predict_layers=1,
             max_position_embeddings=64, architectures=["DeepseekV3ForCausalLM"], torch_dtype="float32",
         )
+        return DeepseekV3Config(**{**fields, **overrides})
     raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
 
 
@@ -65,12 +67,12 @@ def cpu_attention_selection():
         yield
 
 
-def vllm_config(kind, directory):
+def vllm_config(kind, directory, **overrides):
     """A VllmConfig whose speculative config builds ``kind``'s MTP drafter (as vLLM's proposer does:
     the draft model config is also the model config)."""
     from vllm.config import DeviceConfig, ModelConfig, ParallelConfig, SpeculativeConfig, VllmConfig
 
-    tiny_config(kind).save_pretrained(directory)
+    tiny_config(kind, **overrides).save_pretrained(directory)
     target = ModelConfig(model=str(directory), skip_tokenizer_init=True, dtype="float32")
     speculative = SpeculativeConfig(method="mtp", num_speculative_tokens=1, target_model_config=target,
                                     target_parallel_config=ParallelConfig())
@@ -108,15 +110,17 @@ def drafter_environment():
             _state.clear()
 
 
-def build_drafter(kind):
+def build_drafter(kind, **overrides):
     """vLLM's real MTP drafter for ``kind`` (inside `drafter_environment`), float32 on CPU, made as vLLM
-    makes it: ``initialize_model`` resolves the draft architecture and records the reload metadata."""
+    makes it: ``initialize_model`` resolves the draft architecture and records the reload metadata.
+    ``overrides``: fields of `tiny_config` (a wider model for benchmarks)."""
     import torch
     from vllm.model_executor.model_loader.utils import initialize_model
 
     if "directory" not in _state:
         raise RuntimeError("build_drafter runs inside drafter_environment()")
-    config = vllm_config(kind, os.path.join(_state["directory"], kind))
+    name = kind + "".join(f"-{key}={value}" for key, value in sorted(overrides.items()))
+    config = vllm_config(kind, os.path.join(_state["directory"], name), **overrides)
     with torch.device("cpu"):
         model = initialize_model(vllm_config=config, model_config=config.speculative_config.draft_model_config)
     model.vllm_config_for_tests = config

@@ -37,7 +37,6 @@ Parameters counted: every parameter of the drafter except its (shared or copied)
 ``lm_head`` and quantization ``*_scale`` / ``zero_point`` parameters a checkpoint need not carry.
 """
 
-import weakref
 from _thread import RLock
 
 from ...fix import Fix, OverlayError, OverlayWarning, Provenance, drifted, needed, redundant
@@ -52,11 +51,20 @@ BEGIN, END = "initialize_layerwise_reload", "finalize_layerwise_reload"
 SHOWN = 32  # names listed in a report's message; the report object holds them all
 
 _lock = RLock()
-_refits = weakref.WeakKeyDictionary()  # drafter -> open Refit
-_shapes = weakref.WeakKeyDictionary()  # drafter -> DrafterShape
-_reports = weakref.WeakKeyDictionary()  # drafter -> last RefitReport
-_counts = weakref.WeakKeyDictionary()  # drafter -> refits reported so far
+# per drafter, made on first use (weakref is not imported at interpreter start: `import mtp_overlay`
+# stays cheap): "refits" -> open Refit, "shapes" -> DrafterShape, "reports" -> last RefitReport,
+# "counts" -> refits closed so far
+_tables = {}
 _drafter_classes = set()  # classes whose load_weights this fix wraps
+
+
+def _table(name):
+    table = _tables.get(name)
+    if table is None:
+        import weakref
+
+        table = _tables[name] = weakref.WeakKeyDictionary()
+    return table
 
 
 class DrafterShape:
@@ -104,9 +112,10 @@ def counted(parameter):
 
 
 def shape_of(model):
-    shape = _shapes.get(model)
+    shapes = _table("shapes")
+    shape = shapes.get(model)
     if shape is None:
-        shape = _shapes[model] = DrafterShape(model)
+        shape = shapes[model] = DrafterShape(model)
     return shape
 
 
@@ -168,20 +177,20 @@ def begin_refit(model, boundary="drafter_refit()"):
     """Open an explicit refit of ``model`` (an implicit one still open is closed and reported first)."""
     closed = None
     with _lock:
-        refit = _refits.get(model)
+        refit = _table("refits").get(model)
         if refit is not None and refit.boundary is not None:
             refit.depth += 1
             return
         if refit is not None:
             closed = _close(model)
-        _refits[model] = Refit(boundary)
+        _table("refits")[model] = Refit(boundary)
     _emit(closed)
 
 
 def end_refit(model):
     """Close the refit of ``model`` (its outermost level) and report it; returns the RefitReport or None."""
     with _lock:
-        refit = _refits.get(model)
+        refit = _table("refits").get(model)
         if refit is None:
             return None
         refit.depth -= 1
@@ -193,7 +202,7 @@ def end_refit(model):
 def discard_refit(model):
     """Forget the open refit of ``model`` without a report (the refit itself failed)."""
     with _lock:
-        _refits.pop(model, None)
+        _table("refits").pop(model, None)
 
 
 class drafter_refit:
@@ -236,14 +245,15 @@ def _no_code(*args):
 
 def last_refit_report(model):
     """The RefitReport of the last refit of ``model`` that ended (None before the first)."""
-    return _reports.get(model)
+    return _table("reports").get(model)
 
 
 def _close(model):
     """Close the open refit of ``model``: its RefitReport (stored; not yet emitted)."""
-    refit = _refits.pop(model)
-    number = _counts[model] = _counts.get(model, 0) + 1
-    report = _reports[model] = RefitReport(model, refit, number)
+    refit = _table("refits").pop(model)
+    counts = _table("counts")
+    number = counts[model] = counts.get(model, 0) + 1
+    report = _table("reports")[model] = RefitReport(model, refit, number)
     return report
 
 
@@ -258,21 +268,21 @@ def _emit(report):
 
 
 # --- the wrappers ----------------------------------------------------------------------------
-def _observed(model, weights, closed):
-    """Yield the pairs of ``weights`` as they are, counting names into the open refit of ``model``;
-    a name an implicit refit has seen already starts a new one (the old one goes to ``closed``)."""
+def _observed(model, refit, weights, closed):
+    """Yield the pairs of ``weights`` as they are, counting names into ``refit`` (the open refit of
+    ``model``); a name an implicit refit has seen already starts a new one (the old goes to ``closed``)."""
     from ...mtp.refit import mtp_layer_of
 
     shape = shape_of(model)
-    base, count = shape.num_hidden_layers, shape.num_mtp_layers
-    refit, in_this_call = _refits[model], 0
+    base, count, skips = shape.num_hidden_layers, shape.num_mtp_layers, shape.skips
+    in_this_call = 0
     for pair in weights:
         name = pair[0]
         if refit.boundary is None and name in refit.seen:
             if not in_this_call:  # the call that begins the next refit is not part of the old one
                 refit.calls -= 1
             closed.append(_close(model))
-            refit = _refits[model] = Refit(None)
+            refit = _table("refits")[model] = Refit(None)
             refit.calls = 1
         in_this_call += 1
         refit.seen.add(name)
@@ -280,7 +290,7 @@ def _observed(model, weights, closed):
         if "mtp" in name or "layers." in name:
             found = mtp_layer_of(name, base, count)
             if found is not None:
-                refit.mtp_names.append((name, found[1], shape.skips is not None and shape.skips(name)))
+                refit.mtp_names.append((name, found[1], skips is not None and skips(name)))
         yield pair
 
 
@@ -294,21 +304,22 @@ def checked_load_weights(wrapped, instance, args, kwargs):
     else:
         return wrapped(*args, **kwargs)  # vLLM's own TypeError
     closed = []
+    refits = _table("refits")
     with _lock:
-        refit = _refits.get(instance)
+        refit = refits.get(instance)
         if refit is None:
-            refit = _refits[instance] = Refit(None)
+            refit = refits[instance] = Refit(None)
         refit.calls += 1
     try:
-        loaded = wrapped(_observed(instance, weights, closed), *args, **kwargs)
+        loaded = wrapped(_observed(instance, refit, weights, closed), *args, **kwargs)
     except BaseException:
-        if _refits.get(instance) is not None and _refits[instance].boundary is None:
-            discard_refit(instance)
+        with _lock:
+            if getattr(refits.get(instance), "boundary", "") is None:  # an implicit refit died with its call
+                refits.pop(instance)
         raise
-    with _lock:
-        refit = _refits.get(instance)
-        if refit is not None:
-            refit.loaded.update(loaded or ())
+    refit = refits.get(instance)  # a new one when this call began the next implicit refit
+    if refit is not None:
+        refit.loaded.update(loaded or ())
     for report in closed:
         _emit(report)
     return loaded
