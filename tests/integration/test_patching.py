@@ -88,9 +88,11 @@ def sha(path):
 
 
 def patch(capsys, *args):
-    """Run `mtp-overlay patch ARGS --json` in process: (exit code, the fix reports)."""
+    """Run `mtp-overlay patch ARGS --json` in process: (exit code, the fix reports); mtp-sp-scatter
+    only, unless ARGS pick (the manifest holds vLLM fixes too, absent from these sites)."""
     capsys.readouterr()
-    code = main(["patch", *args, "--json"])
+    scope = [] if {"--only", "--manifest"} & set(args) else ["--only", "mtp-sp-scatter"]
+    code = main(["patch", *args, *scope, "--json"])
     out = capsys.readouterr().out
     return code, json.loads(out) if out.strip() else []
 
