@@ -37,6 +37,16 @@ FIXES = [
             "vllm.entrypoints.anthropic.serving",
         ),
     ),
+    (
+        "vllm-mtp-drafter-load",
+        (
+            "vllm.model_executor.models.nemotron_h_mtp",
+            "vllm.model_executor.models.deepseek_mtp",
+            "vllm.model_executor.model_loader.reload.layerwise",
+            "vllm.model_executor.model_loader.reload",
+            "vllm.model_executor.model_loader.reload.inplace",
+        ),
+    ),
 ]
 
 _lifecycles = {}  # fix id -> Lifecycle, made on first use

@@ -62,6 +62,22 @@ Metrics (``metrics``)
         rank of the last stage), read, clean; loss scaled by 1/num_microbatches,
         rate = 100*correct/max(total, 1); empty tracker -> {}.
     with_prefix(metrics, prefix="mtp/")
+    rollout_mtp_metrics(worker_stats) -> {"rollout_acceptance_pos_{k}", "rollout_mean_acceptance_length"}
+        From vLLM's ``SpecDecodingStats`` of every rollout worker (one per worker, or a list of a
+        worker's steps), summed: position-k acceptance in percent (100 * accepted_per_pos / drafts),
+        mean acceptance length 1 + accepted / drafts; no drafts -> {}; ValueError on mismatched
+        positions, negative or inconsistent counts, an empty list.
+    acceptance_gap(train_metrics, rollout_metrics) -> {"acceptance_gap_1": train - rollout, depth 1}
+
+Refit freshness (``refit``)
+    fingerprint(named_tensors, keep=None, dtype=None) -> {name: TensorDigest(shape, dtype, size, checksum)}
+        Per-tensor checksums on the tensors' own devices (exact integer sums of their bytes: equal
+        bytes give equal digests on any device; ``dtype`` casts first, for a bf16 wire).
+    record_fingerprints(named_tensors, into, keep=None, dtype=None)  (generator: pairs unchanged)
+        The receiving side: wrap what the drafter's load_weights consumes.
+    compare_fingerprints(expected, received) -> {name: why}; check_fresh(...) raises StaleDrafterError
+    mtp_layer_of(name, num_hidden_layers, num_mtp_layers) -> ("mtp.*" | "positional", layer) | None
+    mtp_name_filter(num_hidden_layers, num_mtp_layers) -> predicate (keep= of fingerprint)
 
 Config (``config``)
     apply_mtp_config(config, mtp_config) -> config
@@ -79,7 +95,15 @@ Typical RL step (TP/CP ranks, no packing)::
             with loss_mask_scope(mb_mask):
                 logits = unwrap_output(model(ids, position_ids, attention_mask))
             ...
-    log(with_prefix(mtp_metrics(num_microbatches)))
+    train = mtp_metrics(num_microbatches)
+    rollout = rollout_mtp_metrics([stats_of(worker) for worker in rollout_workers])
+    log(with_prefix({**train, **rollout, **acceptance_gap(train, rollout)}))
+
+Refit freshness (trainer -> vLLM drafter)::
+
+    expected = fingerprint(model_state, keep=mtp_name_filter(num_hidden_layers, 1), dtype=torch.bfloat16)
+    # rollout worker: drafter.load_weights(record_fingerprints(chunk, received)) per received chunk
+    check_fresh(expected, received)   # StaleDrafterError naming the tensors
 """
 
 from .config import MTP_CONFIG_KEYS, apply_mtp_config
@@ -93,7 +117,7 @@ from .layout import (
     unwrap_output,
 )
 from .mask import build_mtp_loss_mask, global_valid_tokens, mtp_enabled, mtp_num_layers, unwrap_model
-from .metrics import METRICS_PREFIX, mtp_metrics, with_prefix
+from .metrics import METRICS_PREFIX, acceptance_gap, mtp_metrics, rollout_mtp_metrics, with_prefix
 from .packing import (
     PackedBatch,
     cp_local_indices,
@@ -103,27 +127,47 @@ from .packing import (
     padding_multiple,
     unpack_sequences,
 )
+from .refit import (
+    StaleDrafterError,
+    TensorDigest,
+    check_fresh,
+    compare_fingerprints,
+    fingerprint,
+    mtp_layer_of,
+    mtp_name_filter,
+    record_fingerprints,
+)
 from .scaling import mtp_grad_scale
 
 __all__ = [
     "MTP_CONFIG_KEYS",
     "METRICS_PREFIX",
     "PackedBatch",
+    "StaleDrafterError",
+    "TensorDigest",
+    "acceptance_gap",
     "apply_mtp_config",
     "build_mtp_loss_mask",
+    "check_fresh",
     "check_loss_mask_layout",
+    "compare_fingerprints",
     "cp_local_indices",
     "cp_shard",
+    "fingerprint",
     "global_valid_tokens",
     "loss_mask_scope",
     "model_slices_context_parallel",
     "mtp_enabled",
     "mtp_grad_scale",
+    "mtp_layer_of",
     "mtp_metrics",
+    "mtp_name_filter",
     "mtp_num_layers",
     "pack_sequences",
     "packed_seq_params",
     "padding_multiple",
+    "record_fingerprints",
+    "rollout_mtp_metrics",
     "scoped_loss_mask",
     "shard_for_model",
     "split_output",

@@ -1,8 +1,11 @@
-"""Per-layer MTP loss and acceptance rate from megatron-core's ``MTPLossLoggingHelper`` tracker.
+"""MTP metrics: per-layer loss and acceptance on the train side, per-position acceptance at rollout.
 
-megatron-core 0.19+ accumulates ``loss_values``, ``correct_values`` and ``total_values``
-([mtp_num_layers] tensors) over the microbatches of a step. Releases before 0.19 keep only
-``values`` (no acceptance counts) and train no MTP loss without labels: not read here.
+Train side: megatron-core 0.19+ accumulates ``loss_values``, ``correct_values`` and ``total_values``
+([mtp_num_layers] tensors) in ``MTPLossLoggingHelper``'s tracker over the microbatches of a step.
+Releases before 0.19 keep only ``values`` (no acceptance counts) and train no MTP loss without
+labels: not read here. Rollout side: vLLM's scheduler counts drafts and accepted draft tokens per
+position (``SpecDecodingStats``); nothing collected them for RL, so a drafter left stale by a refit
+showed up only as "acceptance is low". Names follow NeMo-RL's ``mtp/`` convention (`with_prefix`).
 """
 
 METRICS_PREFIX = "mtp/"
@@ -40,3 +43,90 @@ def mtp_metrics(num_microbatches):
 def with_prefix(metrics, prefix=METRICS_PREFIX):
     """``metrics`` with every name under ``prefix`` (NeMo-RL logs MTP metrics under ``mtp/``)."""
     return {prefix + name: value for name, value in metrics.items()}
+
+
+_STATS_FIELDS = ("num_drafts", "num_accepted_tokens", "num_accepted_tokens_per_pos")
+
+
+def rollout_mtp_metrics(worker_stats):
+    """``{"rollout_acceptance_pos_{k}": ..., "rollout_mean_acceptance_length": ...}`` over rollout workers.
+
+    ``worker_stats``: one entry per rollout worker, each a vLLM ``SpecDecodingStats``
+    (``vllm.v1.spec_decode.metrics``; any object with ``num_drafts``, ``num_accepted_tokens`` and
+    ``num_accepted_tokens_per_pos``) or a list of them (the worker's scheduler steps). Counts are
+    summed over every worker and step, then, as vLLM's own spec-decode log does:
+    acceptance at position k (from 1) = 100 * accepted_per_pos[k-1] / drafts (percent, like the
+    train side's ``mtp_{k}_acceptance_rate``; position k counts only drafts accepted up to k), mean
+    acceptance length = 1 + accepted / drafts (the bonus token included). No drafts at all gives {}.
+    ValueError, naming the worker and step, for an empty list, positions that differ between
+    entries, negative or non-integer counts, or counts that contradict each other.
+    """
+    if isinstance(worker_stats, (str, bytes)) or not isinstance(worker_stats, (list, tuple)) or not worker_stats:
+        raise ValueError(f"worker_stats must be a non-empty list (one entry per rollout worker), got {worker_stats!r:.200}")
+    positions, drafts, accepted, per_pos = None, 0, 0, None
+    for worker, entry in enumerate(worker_stats):
+        steps = entry if isinstance(entry, (list, tuple)) else [entry]
+        if not steps:
+            raise ValueError(f"worker_stats[{worker}] is an empty list: expected SpecDecodingStats (or a list of them)")
+        for step, stats in enumerate(steps):
+            where = f"worker_stats[{worker}]" + (f"[{step}]" if steps is entry else "")
+            counts = _spec_decode_counts(stats, where)
+            if positions is None:
+                positions, per_pos = len(counts[2]), [0] * len(counts[2])
+            elif len(counts[2]) != positions:
+                raise ValueError(f"{where}.num_accepted_tokens_per_pos has {len(counts[2])} positions, the first "
+                                 f"entry {positions}: every worker must run the same num_speculative_tokens")
+            drafts += counts[0]
+            accepted += counts[1]
+            per_pos = [a + b for a, b in zip(per_pos, counts[2])]
+    if drafts == 0:
+        return {}
+    metrics = {f"rollout_acceptance_pos_{k}": 100.0 * count / drafts for k, count in enumerate(per_pos, start=1)}
+    metrics["rollout_mean_acceptance_length"] = 1.0 + accepted / drafts
+    return metrics
+
+
+def _spec_decode_counts(stats, where):
+    missing = [name for name in _STATS_FIELDS if not hasattr(stats, name)]
+    if missing:
+        raise ValueError(f"{where} must be a vLLM SpecDecodingStats (with {', '.join(_STATS_FIELDS)}), "
+                         f"got {type(stats).__name__} without {', '.join(missing)}")
+    drafts, accepted, per_pos = (getattr(stats, name) for name in _STATS_FIELDS)
+    per_pos = list(per_pos)
+    for name, value in (("num_drafts", drafts), ("num_accepted_tokens", accepted),
+                        *((f"num_accepted_tokens_per_pos[{i}]", v) for i, v in enumerate(per_pos))):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{where}.{name} must be a non-negative int, got {value!r}")
+    if not per_pos:
+        raise ValueError(f"{where}.num_accepted_tokens_per_pos is empty: expected one count per speculative position")
+    if any(later > earlier for earlier, later in zip([drafts, *per_pos], per_pos)):
+        raise ValueError(f"{where}: accepted counts per position {per_pos} must not increase and not exceed "
+                         f"num_drafts={drafts} (position k is accepted only after position k-1)")
+    if sum(per_pos) != accepted:
+        raise ValueError(f"{where}.num_accepted_tokens={accepted} is not the sum of num_accepted_tokens_per_pos {per_pos}")
+    return drafts, accepted, per_pos
+
+
+def acceptance_gap(train_metrics, rollout_metrics):
+    """``{"acceptance_gap_1": train depth-1 acceptance - rollout position-1 acceptance}`` (percentage points).
+
+    From `mtp_metrics` and `rollout_mtp_metrics` (names with or without the ``mtp/`` prefix). Under
+    greedy verification both measure how often the depth-1 draft is the target's token; a drafter
+    left stale by a refit keeps the old head, so the gap grows while the trainer's rate climbs
+    (sampling-based verification adds an offset: watch the trend). {} when either side is empty.
+    """
+    train, rollout = _unprefixed(train_metrics, "train_metrics"), _unprefixed(rollout_metrics, "rollout_metrics")
+    if not train or not rollout:
+        return {}
+    for metrics, key, argument in ((train, "mtp_1_acceptance_rate", "train_metrics"),
+                                   (rollout, "rollout_acceptance_pos_1", "rollout_metrics")):
+        if key not in metrics:
+            raise ValueError(f"{argument} has no {key!r} (got {sorted(metrics)}): pass the output of "
+                             f"{'mtp_metrics' if argument == 'train_metrics' else 'rollout_mtp_metrics'}")
+    return {"acceptance_gap_1": train["mtp_1_acceptance_rate"] - rollout["rollout_acceptance_pos_1"]}
+
+
+def _unprefixed(metrics, argument):
+    if not isinstance(metrics, dict):
+        raise ValueError(f"{argument} must be a dict of metric name -> value, got {type(metrics).__name__}")
+    return {name.removeprefix(METRICS_PREFIX): value for name, value in metrics.items()}

@@ -42,7 +42,7 @@ def host_streams(module=None):
 
         module = importlib.import_module(registry.get("device-normalized-broadcast").targets[0])
     replacements = [
-        (module, "_get_streams", lambda index, count: (stream,) * count),
+        (torch.cuda, "Stream", lambda *args, **kwargs: stream),  # vLLM 0.25.1 makes its streams directly
         (torch.accelerator, "current_device_index", lambda: 0),
         (torch.accelerator, "current_stream", lambda device=None: stream),
         (torch.cuda, "stream", lambda s: contextlib.nullcontext()),
@@ -50,6 +50,8 @@ def host_streams(module=None):
         (torch, "Event", HostEvent),
         (torch.Tensor, "record_stream", lambda tensor, s: None),
     ]
+    if hasattr(module, "_get_streams"):  # vLLM 0.33.0 caches them
+        replacements.append((module, "_get_streams", lambda index, count: (stream,) * count))
     with contextlib.ExitStack() as stack:
         for owner, attribute, value in replacements:
             stack.enter_context(mock.patch.object(owner, attribute, value))
@@ -78,3 +80,21 @@ class RecordingCommunicator(HostCommunicator):
 
     def broadcast(self, tensor, src, stream=None):
         self.sent.append(tensor)
+
+
+class ReplayCommunicator(HostCommunicator):
+    """The receiving end of a `RecordingCommunicator`: each broadcast fills the buffer it is handed
+    with the next buffer the sender broadcast (the wire, on the host)."""
+
+    def __init__(self, sent, device):
+        super().__init__(device)
+        self._sent = iter(sent)
+
+    def broadcast(self, tensor, src, stream=None):
+        source = next(self._sent, None)
+        if source is None:
+            raise ValueError("the receiver asked for more buffers than the sender broadcast")
+        if (source.shape, source.dtype) != (tensor.shape, tensor.dtype):
+            raise ValueError(f"receive buffer {tuple(tensor.shape)} {tensor.dtype} does not match the sent "
+                             f"{tuple(source.shape)} {source.dtype}: sender and receiver disagree on the metadata")
+        tensor.copy_(source)

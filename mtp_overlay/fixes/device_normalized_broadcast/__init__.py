@@ -18,7 +18,7 @@ producer (NeMo-RL's ``nemo_rl.utils.packed_tensor.packed_broadcast_producer``).
 
 import importlib
 
-from ...contract import Fix, Provenance, drifted, needed, redundant
+from ...contract import Fix, Marker, Provenance, drifted, needed, redundant
 
 PRODUCERS = ("packed_nccl_broadcast_producer", "packed_broadcast_producer")  # vLLM 0.33.0, older vLLM
 PRODUCER_PARAMETERS = ("iterator", "group", "src", "post_iter_func")
@@ -215,6 +215,19 @@ class DeviceNormalizedBroadcastFix(Fix):
         upstream_fix=None,
         first_fixed_release=None,
     )
+    # on disk: the source patch makes the producer and the one-by-one path call this helper
+    marker = Marker("vllm.distributed.weight_transfer.packed_tensor", "packed_nccl_broadcast_producer",
+                    "_on_communicator_device")
+    families = {"0.25": ">=0.25.1,<0.26", "0.33": ">=0.33.0,<0.34"}
+
+    def _patched(self, module):
+        """The function of ``module`` the source patch changed, when it calls the marker (else None)."""
+        path = one_by_one_path(module) if module.__name__ == self.targets[1] else None
+        functions = [getattr(path[0], path[1])] if path else [vars(module)[n] for n in PRODUCERS if n in vars(module)]
+        for function in functions:
+            if hasattr(function, "__code__") and Marker(module.__name__, function.__qualname__, self.marker.calls).in_function(function):
+                return function.__qualname__
+        return None
 
     def probe(self, module):
         packed_tensor_name, engine_name = self.targets
@@ -232,6 +245,9 @@ class DeviceNormalizedBroadcastFix(Fix):
         why = _producer_drift(module)
         if why is not None:
             return drifted(why)
+        patched = self._patched(module)
+        if patched is not None:
+            return redundant(f"{patched} already calls {self.marker.calls} (patched on disk)")
         packed_tensor = module if module.__name__ == packed_tensor_name else importlib.import_module(packed_tensor_name)
         return stock_packing_verdict(packed_tensor)
 

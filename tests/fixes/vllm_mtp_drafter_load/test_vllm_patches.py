@@ -1,0 +1,212 @@
+"""Source patches for vLLM 0.33.0 and 0.25.1: vllm-mtp-drafter-load and device-normalized-broadcast (issue #16).
+
+For container images whose processes never ``import mtp_overlay``. Every case patches a private copy
+of a real install (the venv's vLLM 0.33.0, the side-by-side 0.25.1): its files hard-linked into a
+temporary site, the touched files real copies. The patched vLLM is then run: it reports a stale
+drafter and normalizes devices by itself, and the overlay's hooks stand down (``redundant``).
+"""
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+from mtp_overlay import registry
+from mtp_overlay.cli import main
+from mtp_overlay.patching.manifest import DEFAULT_PATH, load, touched_files
+from mtp_overlay.testing.releases import link_installed, record_sha256, release_site, run_with_release
+
+REPO = Path(__file__).resolve().parents[3]
+FIXES = ("vllm-mtp-drafter-load", "device-normalized-broadcast")
+# every fix that ships a vLLM patch (what container_build.sh applies)
+VLLM_PATCHED = [name for name in registry.names() if registry.get(name).distribution == "vllm" and registry.get(name).families]
+VERSIONS = ("0.33.0", "0.25.1")
+
+
+def installed_site(version):
+    return Path(sysconfig.get_paths()["purelib"]) if version == "0.33.0" else release_site("vllm", version)
+
+
+def patch_file(fix, version):
+    fix = registry.get(fix)
+    return DEFAULT_PATH.parent / fix.name / "vllm" / f"{fix.family_of(version)}.patch"
+
+
+def touched(version, fixes=FIXES):
+    return sorted({file for fix in fixes for file in touched_files(patch_file(fix, version))})
+
+
+def patched_copy(version, tmp_path):
+    site = tmp_path / f"site-{version}"
+    return link_installed("vllm", site, site=None if version == "0.33.0" else installed_site(version), copies=touched(version))
+
+
+def patch(capsys, *args):
+    capsys.readouterr()
+    code = main(["patch", *args, "--json"])
+    return code, {row["fix"]: row for row in json.loads(capsys.readouterr().out)}
+
+
+def tree_sha(root, files):
+    return {file: hashlib.sha256((Path(root) / file).read_bytes()).hexdigest() for file in files}
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_apply_check_revert_round_trip_on_a_copy_of_the_real_install(version, tmp_path, capsys):
+    site = patched_copy(version, tmp_path)
+    files = touched(version)
+    before = tree_sha(site, files)
+    code, rows = patch(capsys, "check", "--site-packages", str(site), "--only", FIXES[0], "--only", FIXES[1])
+    assert code == 0 and {row["state"] for row in rows.values()} == {"needed"}
+    code, rows = patch(capsys, "apply", "--site-packages", str(site), "--only", FIXES[0], "--only", FIXES[1])
+    assert code == 0 and {(r["action"], r["state"]) for r in rows.values()} == {("patched", "applied")}
+    after = tree_sha(site, files)
+    images = load().images["vllm"][version]
+    for fix in FIXES:
+        assert rows[fix]["variant"] == patch_file(fix, version).name
+        fix_files = touched_files(patch_file(fix, version))
+        assert {f: after[f] for f in fix_files} == {f: images[f][frozenset({fix})] for f in fix_files}
+    code, rows = patch(capsys, "apply", "--site-packages", str(site), "--only", FIXES[0], "--only", FIXES[1])
+    assert code == 0 and {r["action"] for r in rows.values()} == {"already applied"}
+    code, rows = patch(capsys, "revert", "--site-packages", str(site), "--only", FIXES[0], "--only", FIXES[1])
+    assert code == 0 and tree_sha(site, files) == before
+    # the real install was never touched: its files are still the wheel's
+    released = record_sha256("vllm", installed_site(version))
+    assert tree_sha(installed_site(version), files) == {file: released[file] for file in files}
+
+
+PATCHED = """
+import json, logging, os, sys, warnings
+warnings.simplefilter("ignore")
+import torch, vllm, mtp_overlay
+from mtp_overlay.fixes.vllm_mtp_drafter_load import FIX as DRAFTER_FIX, drafter_refit
+from mtp_overlay.fixes.device_normalized_broadcast import FIX as BROADCAST_FIX
+from mtp_overlay.testing.streams import HostStream, RecordingCommunicator, host_streams
+from mtp_overlay.testing.vllm_drafter import build_drafter, changed, drafter_environment, refit_stream, snapshot
+from vllm.distributed.weight_transfer import nccl_engine, packed_tensor
+from vllm.model_executor.model_loader.reload import layerwise
+from vllm.model_executor.models import deepseek_mtp, nemotron_h_mtp, utils
+
+out = {"version": vllm.__version__, "where": os.path.dirname(vllm.__file__)}
+modules = (nemotron_h_mtp, deepseek_mtp, layerwise, packed_tensor, nccl_engine)
+out["probes"] = [(DRAFTER_FIX if i < 3 else BROADCAST_FIX).probe(m).state for i, m in enumerate(modules)]
+out["status"] = {row.name: [row.state, row.patched] for row in mtp_overlay.status() if row.distribution == "vllm"}
+said = []
+handler = logging.Handler(logging.WARNING)
+handler.emit = lambda record: said.append(record.getMessage())
+logging.getLogger(utils.__name__).addHandler(handler)
+
+with drafter_environment():
+    model = build_drafter("nemotron_h")
+    for case, naming in (("native", "mtp.*"), ("positional", "positional")):
+        before, start = snapshot(model), len(said)
+        layerwise.initialize_layerwise_reload(model)
+        for pair in refit_stream(model, naming, seed=8):
+            model.load_weights([pair])
+        layerwise.finalize_layerwise_reload(model, model.vllm_config_for_tests.model_config)
+        out[case] = {"changed": changed(model, before), "said": said[start:]}
+    os.environ["MTP_OVERLAY_STRICT"] = "1"
+    try:
+        with drafter_refit(model):
+            model.load_weights(iter(refit_stream(model, "positional", seed=9)))
+        out["strict"] = None
+    except RuntimeError as exc:
+        out["strict"] = str(exc)
+
+meta = torch.device("meta")
+stream = [("w", torch.zeros(3, device=meta)), ("filterbank", torch.rand(4)), ("b", torch.zeros(2, device=meta))]
+with host_streams():
+    group = RecordingCommunicator(meta)
+    packed_tensor.packed_nccl_broadcast_producer(iter(stream), group, 0, lambda item: item[1], buffer_size_bytes=1 << 20)
+    out["packed"] = [t.device.type for t in group.sent]
+    group = RecordingCommunicator(meta)
+    if hasattr(nccl_engine, "NCCLTrainerWeightTransferEngine"):
+        from vllm.distributed.weight_transfer import base
+        module = torch.nn.Linear(2, 3, device=meta)
+        module.register_parameter("filterbank", torch.nn.Parameter(torch.rand(4), requires_grad=False))
+        source = base.ModuleSource(module)
+        engine = nccl_engine.NCCLTrainerWeightTransferEngine(client=None, source=source, packed=False)
+        engine.model_update_group = group
+        engine._broadcast(source, source.metadata)
+    else:
+        nccl_engine.NCCLWeightTransferEngine.trainer_send_weights(
+            iter(stream), {"group": group, "packed": False, "stream": HostStream()})
+    out["one_by_one"] = [t.device.type for t in group.sent]
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module", params=VERSIONS)
+def patched_vllm(request, tmp_path_factory):
+    """Run `PATCHED` on a patched copy of vLLM ``version`` (the overlay imported: its hooks decide)."""
+    version = request.param
+    site = patched_copy(version, tmp_path_factory.mktemp("patched"))
+    assert main(["patch", "apply", "--site-packages", str(site), "--only", FIXES[0], "--only", FIXES[1]]) == 0
+    environment = {key: value for key, value in os.environ.items() if key != "MTP_OVERLAY_STRICT"}
+    result = run_with_release(site, PATCHED, env=environment, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return version, site, json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_patched_vllm_reports_a_stale_drafter_by_itself_and_the_hooks_stand_down(patched_vllm):
+    version, site, out = patched_vllm
+    assert (out["version"], out["where"]) == (version, str(site / "vllm"))
+    assert out["probes"] == ["redundant"] * 5
+    assert out["status"] == {fix: ["redundant", True] for fix in FIXES}
+    assert len(out["native"]["changed"]) == 7 and out["native"]["said"] == []
+    positional = out["positional"]
+    assert positional["changed"] == [] and len(positional["said"]) == 1
+    message = positional["said"][0]
+    assert "refit #2 (vLLM layerwise reload: 10 load_weights call(s), 10 names)" in message
+    assert "7 of 7 MTP parameters never loaded: model.layers.0.eh_proj.weight" in message
+    assert "9 MTP checkpoint names dropped unrecognised: model.layers.2.mixer.q_proj.weight" in message
+    assert out["strict"] is not None and "7 of 7 MTP parameters never loaded" in out["strict"]
+
+
+def test_patched_vllm_sends_every_refit_tensor_from_the_communicator_device(patched_vllm):
+    _, _, out = patched_vllm
+    assert out["packed"] == ["meta"]
+    assert out["one_by_one"] == ["meta"] * 3
+
+
+@pytest.mark.slow
+def test_container_build_script_on_a_fresh_environment_with_vllm(tmp_path):
+    """scripts/container_build.sh on a fresh venv holding (a linked copy of) vLLM 0.33.0: both vLLM
+    patches land, `patch check` is clean, and a process that imports the overlay finds its hooks
+    standing down (``redundant``)."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    python = venv / "bin" / "python"
+    ask = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
+    purelib = Path(subprocess.run([python, "-c", ask], capture_output=True, text=True, check=True).stdout.strip())
+    link_installed("vllm", purelib, copies=touched("0.33.0", VLLM_PATCHED))
+    # the rest of the pinned stack is this venv's, seen through a .pth: the script's pip finds it satisfied
+    (purelib / "pinned-stack.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    source = tmp_path / "src"
+    skip = shutil.ignore_patterns(".git", ".venv", ".cache", "build", "*.egg-info", "__pycache__", ".pytest_cache")
+    shutil.copytree(REPO, source, ignore=skip)
+
+    build = subprocess.run(["bash", str(source / "scripts" / "container_build.sh")],
+                           env={**os.environ, "PYTHON": str(python)}, capture_output=True, text=True, timeout=1800)
+    assert build.returncode == 0, build.stdout + build.stderr
+    images = load().images["vllm"]["0.33.0"]
+    for fix in VLLM_PATCHED:
+        assert f"{fix} (vllm 0.33.0, 0.33.patch): patched -> applied" in build.stdout
+        fix_files = touched_files(patch_file(fix, "0.33.0"))
+        assert tree_sha(purelib, fix_files) == {f: images[f][frozenset({fix})] for f in fix_files}
+
+    hooks = subprocess.run(
+        [python, "-c", "import json, warnings; warnings.simplefilter('ignore'); import mtp_overlay\n"
+         "import vllm.model_executor.models.nemotron_h_mtp, vllm.model_executor.models.deepseek_mtp\n"
+         "import vllm.model_executor.model_loader.reload.inplace, vllm.distributed.weight_transfer.nccl_engine\n"
+         "import vllm.renderers.online_renderer\n"
+         "print(json.dumps({r.name: [r.state, r.patched] for r in mtp_overlay.status() if r.distribution == 'vllm'}))"],
+        capture_output=True, text=True, timeout=900, env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    assert hooks.returncode == 0, hooks.stderr[-3000:]
+    assert json.loads(hooks.stdout.strip().splitlines()[-1]) == {fix: ["redundant", True] for fix in VLLM_PATCHED}
