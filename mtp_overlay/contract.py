@@ -11,7 +11,12 @@ class OverlayError(RuntimeError):
 
 
 class OverlayWarning(UserWarning):
-    """A fix did not apply as asked; its own category so users can filter or escalate it."""
+    """A fix did not apply as asked; its own category so code can filter or escalate it.
+
+    Every message starts with "mtp-overlay", so ``-W "error:mtp-overlay"`` (or ``PYTHONWARNINGS``)
+    escalates them from the command line: a ``-W`` category must be importable before site-packages
+    are, which ``mtp_overlay.OverlayWarning`` is not.
+    """
 
 
 class State:
@@ -233,6 +238,15 @@ class FixStatus:
 
     def __repr__(self):
         return f"FixStatus({self.as_dict()})"
+
+
+def defined_in(module, names):
+    """The first object named in ``names`` that ``module`` defines itself (not one it imports), or None."""
+    for name in names:
+        found = vars(module).get(name)
+        if getattr(found, "__module__", None) == module.__name__:
+            return found
+    return None
 
 
 def distribution_version(distribution):

@@ -8,33 +8,44 @@ the lookup through wrapt's own finder, so the target that woke it is hooked as w
 
 Each module name is registered with wrapt once, through one dispatcher: callbacks live here and can
 be cancelled, so repeated install/uninstall cycles leave nothing behind in wrapt.
+
+Never in the way of the upstream import: without an importable wrapt the trigger steps aside, tells
+every waiting callback (its ``failed(name, error)``, when it has one) and warns once; a target that
+another thread is still importing is handed over once that import has finished.
 """
 
 import sys
-from _thread import RLock
+from _thread import RLock, start_new_thread
 
 _lock = RLock()
 _callbacks = {}  # module name -> callbacks still waiting for its import
 _watched = frozenset()  # what the trigger wakes on: waiting names and their top packages
 _armed = set()  # names whose dispatcher wrapt holds
 _handed_over = False
+_broken = None  # the ImportError of wrapt, once the hand-over found it missing
 
 
 def when_imported(name, callback):
     """Call ``callback(module)`` once module ``name`` is imported; at once if it already is.
 
-    Returns True when the module was already imported (a late install).
+    Returns True when the module was already imported, or being imported (a late install).
     """
     with _lock:
         module = sys.modules.get(name)
         if module is None:
+            if _broken is not None:
+                _tell_failed(name, [callback], _broken)
+                return False
             waiting = _callbacks.setdefault(name, [])
             if callback not in waiting:
                 waiting.append(callback)
             _watch()
             _arm(name)
             return False
-    callback(module)
+    if getattr(getattr(module, "__spec__", None), "_initializing", False):
+        start_new_thread(_after_import, (name, callback))  # another thread is still running its body
+    else:
+        callback(module)
     return True
 
 
@@ -53,6 +64,18 @@ def waiting():
     """Names of modules with callbacks still waiting (for tests and status)."""
     with _lock:
         return sorted(_callbacks)
+
+
+def _after_import(name, callback):
+    """Wait for the import of ``name`` in progress elsewhere (the import system blocks a second
+    importer until the first has finished), then run ``callback`` on the finished module."""
+    import importlib
+
+    try:
+        module = importlib.import_module(name)
+    except Exception:
+        return  # the import failed where it ran, and said so there
+    callback(module)
 
 
 def _watch():
@@ -83,7 +106,11 @@ def _arm(name):
 def _hand_over():
     """Give every waiting module to wrapt; return wrapt's finder (None if nothing was waiting)."""
     global _handed_over
-    import wrapt.importer  # outside the lock: another thread may hold wrapt's module lock
+    try:
+        import wrapt.importer  # outside the lock: another thread may hold wrapt's module lock
+    except ImportError as exc:
+        _step_aside(exc)
+        return None
 
     with _lock:
         if not _handed_over:
@@ -91,6 +118,36 @@ def _hand_over():
             for name in list(_callbacks):
                 _arm(name)
     return next((f for f in sys.meta_path if isinstance(f, wrapt.importer.ImportHookFinder)), None)
+
+
+def _step_aside(error):
+    """wrapt cannot be imported: take the trigger off, tell every waiting callback, warn once."""
+    global _broken
+    with _lock:
+        if _broken is not None:
+            return
+        _broken = error
+        waiting = dict(_callbacks)
+        _callbacks.clear()
+        _watch()
+        if _TRIGGER in sys.meta_path:
+            sys.meta_path.remove(_TRIGGER)
+    import warnings
+
+    from .contract import OverlayWarning
+
+    warnings.warn(OverlayWarning(
+        f"mtp-overlay: wrapt cannot be imported ({type(error).__name__}: {error}): no fix installs in this "
+        "process (pip install wrapt)"), stacklevel=3)
+    for name, callbacks in waiting.items():
+        _tell_failed(name, callbacks, error)
+
+
+def _tell_failed(name, callbacks, error):
+    for callback in callbacks:
+        failed = getattr(callback, "failed", None)
+        if failed is not None:
+            failed(name, error)
 
 
 class _ImportTrigger:

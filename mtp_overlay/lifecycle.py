@@ -14,12 +14,17 @@ from .contract import OverlayError, OverlayWarning, State, Verdict
 
 
 def judge(fix, module):
-    """``fix``'s probe on ``module``: its Verdict, or a FAILED one naming what the probe raised.
+    """``fix``'s probe on ``module``: its Verdict; DRIFTED when one of the fix's own target modules
+    is missing (upstream moved it); else FAILED naming what the probe raised.
 
     The one code path from which both the runtime hook and `check()` take their answer.
     """
     try:
         return fix.probe(module)
+    except ModuleNotFoundError as exc:
+        if exc.name in fix.targets:
+            return Verdict(State.DRIFTED, f"target module {exc.name} does not exist in this release (moved?)")
+        return Verdict(State.FAILED, f"probe raised {type(exc).__name__}: {exc}")
     except Exception as exc:
         return Verdict(State.FAILED, f"probe raised {type(exc).__name__}: {exc}")
 
@@ -63,12 +68,19 @@ class Lifecycle:
                 self.record(module.__name__, verdict.state, verdict.reason)
                 if verdict.state != State.REDUNDANT:
                     self.report(f"{module.__name__}: {verdict.reason}")
-            except OverlayError:
+            except (OverlayError, OverlayWarning):  # strict mode, or warnings escalated to errors (-W error)
                 raise
             except Exception as exc:
                 self.uninstall_wrappers(set(self._originals) - before)  # this target's, not the others'
                 self.record(module.__name__, State.FAILED, f"{type(exc).__name__}: {exc}")
                 self.report(f"hook on {module.__name__} raised {type(exc).__name__}: {exc}", exc)
+
+    def cannot_hook(self, target, error):
+        """The import machinery cannot hook ``target`` (wrapt is missing): record it; strict raises."""
+        with self._lock:
+            self.record(target, State.FAILED, f"wrapt cannot be imported ({type(error).__name__}: {error})")
+        if self.strict:
+            raise OverlayError(f"mtp-overlay fix {self.name!r} not applied: wrapt cannot be imported: {error}") from error
 
     def install(self, module):
         """Put the fix's wrappers on ``module``; a second call never stacks them.

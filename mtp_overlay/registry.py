@@ -89,8 +89,28 @@ def _select(names_or_name):
     return selected
 
 
+STRICT_ON, STRICT_OFF = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
+
+
 def strict_from_env():
-    return os.environ.get("MTP_OVERLAY_STRICT", "").strip().lower() in ("1", "true", "yes", "on")
+    """``MTP_OVERLAY_STRICT``: on for 1/true/yes/on, off for unset/0/false/no/off (any case); anything
+    else is a typo the user must hear about: off, with a warning."""
+    raw = os.environ.get("MTP_OVERLAY_STRICT", "")
+    value = raw.strip().lower()
+    if value in STRICT_ON:
+        return True
+    if value not in STRICT_OFF:
+        _warn(f"MTP_OVERLAY_STRICT={raw!r} is not one of {', '.join(STRICT_ON)} (on) or "
+              f"{', '.join(v for v in STRICT_OFF if v)} (off): strict mode stays off")
+    return False
+
+
+def _warn(message):
+    import warnings
+
+    from .contract import OverlayWarning
+
+    warnings.warn(OverlayWarning("mtp-overlay: " + message), stacklevel=4)
 
 
 def disabled_from_env(strict=False):
@@ -104,25 +124,34 @@ def disabled_from_env(strict=False):
     if "all" in raw:
         return known
     for name in sorted(raw - known):
-        import warnings
-
-        from .contract import OverlayError, OverlayWarning
-
         message = f"MTP_OVERLAY_DISABLE names unknown fix {name!r}: expected 'all' or any of {', '.join(sorted(known))}"
         if strict:
+            from .contract import OverlayError
+
             raise OverlayError(message)
-        warnings.warn(OverlayWarning(message), stacklevel=3)
+        _warn(message)
     return raw & known
+
+
+class _Hook:
+    """Fix ``name``'s post-import callback (one object per fix, so it can be cancelled)."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name):
+        self.name = name
+
+    def __call__(self, module):
+        lifecycle(self.name).on_import(module)
+
+    def failed(self, target, error):
+        lifecycle(self.name).cannot_hook(target, error)
 
 
 def _callback(name):
     found = _callbacks.get(name)
     if found is None:
-
-        def on_import(module):
-            lifecycle(name).on_import(module)
-
-        found = _callbacks.setdefault(name, on_import)
+        found = _callbacks.setdefault(name, _Hook(name))
     return found
 
 
@@ -132,7 +161,10 @@ def install(only=None, skip=(), strict=None):
     ``only``/``skip``: fix ids. ``strict`` (default ``MTP_OVERLAY_STRICT``): drift and hook failures
     raise OverlayError instead of warning.
     """
-    strict = strict_from_env() if strict is None else bool(strict)
+    if strict is None:
+        strict = strict_from_env()
+    elif not isinstance(strict, bool):
+        raise TypeError(f"install(strict=...) must be True, False or None (MTP_OVERLAY_STRICT), got {strict!r}")
     skipped = set(_select(skip or ()))
     env_disabled = disabled_from_env(strict)
     for name in _select(only):

@@ -238,8 +238,8 @@ def observe(work, stock=True, multimodal=True):
         shutil.rmtree(public)
     row = registry.check([NAME])[0]  # imports every target: the installed fix has seen them all
     status = registry.status([NAME])[0]
-    observed["check"] = [row.state, row.reason]
-    wrapped = [f"{owner.__name__}.{attribute}" for owner, attribute in registry.get(NAME).wrapped()]
+    observed["check"] = [row.verdict, row.reason]
+    wrapped = [f"{owner.__name__}.{attribute}" for owner, attribute in registry.lifecycle(NAME).wrapped()]
     observed["status"] = {"state": status.state, "patched": status.patched, "wrapped": wrapped}
     text = json.dumps(observed, default=repr)
     for path, name in ((Path(vllm.__file__).parent, "<vllm>"), (work, "<work>"), (public, "<public>")):

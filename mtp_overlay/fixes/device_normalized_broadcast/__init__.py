@@ -18,7 +18,7 @@ producer (NeMo-RL's ``nemo_rl.utils.packed_tensor.packed_broadcast_producer``).
 
 import importlib
 
-from ...contract import Fix, Marker, Provenance, drifted, needed, redundant
+from ...contract import Fix, Marker, Provenance, State, Verdict, drifted, needed, redundant
 
 PRODUCERS = ("packed_nccl_broadcast_producer", "packed_broadcast_producer")  # vLLM 0.33.0, older vLLM
 PRODUCER_PARAMETERS = ("iterator", "group", "src", "post_iter_func")
@@ -201,9 +201,11 @@ def stock_packing_verdict(packed_tensor):
     if _parameters(pack)[:3] != PACK_PARAMETERS:
         return drifted(f"pack_tensors{_parameters(pack)} no longer starts with {PACK_PARAMETERS}")
     error = stock_packing_error(packed_tensor)
-    if error is not None:
-        return needed(f"stock pack_tensors refuses a host+meta stream: {error}")
-    return redundant("stock pack_tensors packs a host+meta stream: vLLM normalizes devices itself")
+    if error is None:
+        return redundant("stock pack_tensors packs a host+meta stream: vLLM normalizes devices itself")
+    if "device" not in error:  # a platform error (no driver, no memory...) says nothing about the bug
+        return Verdict(State.FAILED, f"stock pack_tensors failed on a host+meta stream for another reason: {error}")
+    return needed(f"stock pack_tensors refuses a host+meta stream: {error}")
 
 
 class DeviceNormalizedBroadcastFix(Fix):

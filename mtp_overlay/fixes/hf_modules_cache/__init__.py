@@ -63,10 +63,16 @@ def unsafe_reason(folder):
     """Why ``folder`` must not go on an import path, or None.
 
     On ``PYTHONPATH`` the folder comes before the standard library in every child, so whoever can add a
-    file to it runs code there: refuse it if it is world-writable (a sticky bit does not stop new files)
-    or owned by another user than us or root. Refuse it too under a world-writable parent without the
-    sticky bit, where anyone can swap it for their own folder; sticky parents such as /tmp are fine.
+    file to it runs code there. Like ssh's StrictModes: refuse a value holding ``os.pathsep`` (it would
+    become several entries), anything but a folder, a folder that others than its owner can write to
+    (a sticky bit does not stop new files) or that another user than us or root owns, and a folder
+    under a parent others can write to, unless that parent is sticky and ours or root's (as /tmp is):
+    otherwise anyone could swap the folder for their own.
     """
+    if os.pathsep in folder:
+        return f"{folder!r} contains {os.pathsep!r} (os.pathsep): on PYTHONPATH it would be several folders"
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        return f"{folder} is not a folder"
     if os.name != "posix":
         return None  # no POSIX owner and mode bits to judge by
     folder = path = os.path.realpath(folder)
@@ -76,13 +82,15 @@ def unsafe_reason(folder):
         except OSError:  # missing (judge its parent) or unreadable (nothing can be imported from it)
             info = None
         if info is not None:
-            writable, sticky = info.st_mode & 0o002, info.st_mode & 0o1000
-            if path == folder and writable:
-                return f"{path} is world-writable"
-            if path == folder and info.st_uid not in (os.getuid(), 0):
+            others_write = info.st_mode & 0o022
+            ours = info.st_uid in (os.getuid(), 0)
+            if path == folder and others_write:
+                return f"{path} is writable by its group or by anyone (chmod go-w {path})"
+            if path == folder and not ours:
                 return f"{path} is owned by uid {info.st_uid}, not by this user (uid {os.getuid()}) or root"
-            if path != folder and writable and not sticky:
-                return f"its parent {path} is world-writable without the sticky bit"
+            if path != folder and others_write and not (info.st_mode & 0o1000 and ours):
+                return (f"its parent {path} is writable by its group or by anyone and not a sticky folder of "
+                        f"this user or root (chmod go-w {path})")
         parent = os.path.dirname(path)
         if parent == path:
             return None

@@ -16,7 +16,7 @@ The hook on ``GPTModel.forward`` and ``HybridModel.forward``:
   raising ValueError instead of failing deep inside Megatron or training on shifted positions.
 """
 
-from ...contract import Fix, Provenance, drifted, needed
+from ...contract import Fix, Provenance, defined_in, drifted, needed
 from ...mtp.config import FIRST_RELEASE
 
 MODEL_CLASSES = ("GPTModel", "HybridModel")  # one per target module
@@ -25,7 +25,7 @@ REQUIRED_PARAMETERS = ("input_ids", "labels", "loss_mask", "packed_seq_params")
 
 
 def _forward(module):
-    cls = next((vars(module)[name] for name in MODEL_CLASSES if name in vars(module)), None)
+    cls = defined_in(module, MODEL_CLASSES)
     method = None if cls is None else vars(cls).get("forward")
     return cls, getattr(method, "__wrapped__", method)
 

@@ -13,7 +13,7 @@ The hook wraps each class's ``__init__`` (`resolve.construct`); OpenAIServingCha
 (OpenAIServingChatBatch, CohereServingChatV2) go through their parent's.
 """
 
-from ...contract import Fix, Marker, Provenance, drifted, needed, redundant
+from ...contract import Fix, Marker, Provenance, defined_in, drifted, needed, redundant
 
 # the consumer class each target module defines (registry order), and the parameter through which it
 # reaches its server's vLLM renderer; AnthropicServingMessages is OpenAIServingChat's subclass, but
@@ -30,23 +30,19 @@ LOADER = "load_chat_template"
 PARAMETERS = ("chat_template", "default_chat_template_kwargs")
 
 
-def consumer(module):
-    """``(class, renderer parameter)`` of the consumer ``module`` defines, or a drift reason (str)."""
+def consumer(module, class_name):
+    """``(class, renderer parameter)`` of consumer ``class_name`` in ``module``, or a drift reason (str)."""
     import inspect
 
-    for class_name, parameter in CONSUMERS.items():
-        owner = vars(module).get(class_name)
-        if owner is None:
-            continue
-        if not isinstance(owner, type) or "__init__" not in vars(owner):
-            return f"{module.__name__} has no class {class_name} with its own __init__"
-        found = inspect.signature(inspect.unwrap(vars(owner)["__init__"])).parameters
-        keyword = (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-        missing = [name for name in (parameter, *PARAMETERS) if name not in found or found[name].kind not in keyword]
-        if missing:
-            return f"{class_name}.__init__{tuple(found)} takes no keyword {', '.join(missing)}"
-        return owner, parameter
-    return f"{module.__name__} defines none of {', '.join(CONSUMERS)}"
+    owner, parameter = defined_in(module, [class_name]), CONSUMERS[class_name]
+    if not isinstance(owner, type) or "__init__" not in vars(owner):
+        return f"{module.__name__} has no class {class_name} with its own __init__"
+    found = inspect.signature(inspect.unwrap(vars(owner)["__init__"])).parameters
+    keyword = (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    missing = [name for name in (parameter, *PARAMETERS) if name not in found or found[name].kind not in keyword]
+    if missing:
+        return f"{class_name}.__init__{tuple(found)} takes no keyword {', '.join(missing)}"
+    return owner, parameter
 
 
 class VllmChatTemplateFix(Fix):
@@ -62,12 +58,16 @@ class VllmChatTemplateFix(Fix):
     marker = Marker("vllm.renderers.online_renderer", "OnlineRenderer.__init__", LOADER)
     families = {"0.25": ">=0.25.1,<0.26", "0.33": ">=0.33.0,<0.34"}
 
+    def consumer_of(self, module):
+        """The consumer class name target ``module`` defines (CONSUMERS is in the targets' order)."""
+        return list(CONSUMERS)[self.targets.index(module.__name__)]
+
     def probe(self, module):
         import inspect
 
         from .resolve import LOADER_MODULES, vllm_loader
 
-        found = consumer(module)
+        found = consumer(module, self.consumer_of(module))
         if isinstance(found, str):
             return drifted(found)
         owner, _ = found
@@ -83,7 +83,7 @@ class VllmChatTemplateFix(Fix):
     def wrappers(self, module):
         from .resolve import construct
 
-        owner, parameter = consumer(module)  # probed first: a consumer of known shape
+        owner, parameter = consumer(module, self.consumer_of(module))  # probed first: a consumer of known shape
 
         def server_constructor(wrapped, instance, args, kwargs):
             return construct(wrapped, instance, args, kwargs, parameter)

@@ -21,7 +21,7 @@ import weakref
 from collections.abc import Mapping
 from pathlib import Path
 
-from ...fix import OverlayWarning
+from ...contract import OverlayWarning
 
 NATIVE, LEGACY = "default_chat_template_kwargs", "chat_template_kwargs"
 LOADER_MODULES = ("vllm.renderers.chat_utils", "vllm.entrypoints.chat_utils")  # vLLM 0.33.0, 0.25.1
@@ -87,7 +87,7 @@ def template_kwargs(native, legacy, consumer):
         name, value = LEGACY, legacy
     elif legacy is not None:
         warnings.warn(OverlayWarning(
-            f"{consumer}: both {NATIVE}={_brief(value)} and its legacy spelling {LEGACY}={_brief(legacy)} "
+            f"mtp-overlay fix 'vllm-chat-template': {consumer}: both {NATIVE}={_brief(value)} and its legacy spelling {LEGACY}={_brief(legacy)} "
             f"were given; {NATIVE} wins (drop {LEGACY})"), stacklevel=4)
     if value is None:
         return None

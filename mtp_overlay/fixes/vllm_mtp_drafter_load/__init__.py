@@ -39,7 +39,7 @@ Parameters counted: every parameter of the drafter except its (shared or copied)
 
 from _thread import RLock
 
-from ...contract import Fix, Marker, OverlayError, OverlayWarning, Provenance, drifted, needed, redundant
+from ...contract import Fix, Marker, defined_in, OverlayError, OverlayWarning, Provenance, drifted, needed, redundant
 
 # the drafter classes (one per drafter target module) whose load_weights(self, weights) returns the
 # names of the parameters it loaded: NemotronHMTP (mtp.* naming), DeepSeekMTP (positional naming); the
@@ -385,7 +385,7 @@ class VllmMtpDrafterLoadFix(Fix):
     def probe(self, module):
         drafter_module = module.__name__ in self.targets[: len(DRAFTERS)]
         if drafter_module:
-            owner = next((vars(module)[name] for name in DRAFTERS if name in vars(module)), None)
+            owner = defined_in(module, DRAFTERS)
             if owner is None:
                 return drifted(f"{module.__name__} has none of {', '.join(DRAFTERS)}")
             method = vars(owner).get("load_weights")
@@ -411,7 +411,7 @@ class VllmMtpDrafterLoadFix(Fix):
 
     def wrappers(self, module):
         if module.__name__ in self.targets[: len(DRAFTERS)]:
-            owner = next(vars(module)[name] for name in DRAFTERS if name in vars(module))
+            owner = defined_in(module, DRAFTERS)
             yield owner, "load_weights", checked_load_weights
             return
         for name, wrapper in RELOAD_WRAPPERS.items():

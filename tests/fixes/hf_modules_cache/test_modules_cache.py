@@ -371,30 +371,33 @@ def test_folder_appended_once_and_pythonpath_uses_os_pathsep(isolated_paths, tmp
     assert os.path.isdir(folder)  # created, so a later-written package is found
 
 
-@pytest.mark.parametrize("mode", [0o777, 0o1777], ids=["world-writable", "world-writable-sticky"])
-def test_world_writable_folder_is_refused(isolated_paths, tmp_path, mode):
+@pytest.mark.parametrize(
+    "mode", [0o777, 0o1777, 0o775], ids=["world-writable", "world-writable-sticky", "group-writable"]
+)
+def test_folder_writable_by_others_is_refused_saying_how_to_fix_it(isolated_paths, tmp_path, mode):
     folder = tmp_path / "modules"
     folder.mkdir()
     folder.chmod(mode)
     before = list(sys.path)
-    with pytest.warns(OverlayWarning, match="world-writable"):
+    with pytest.warns(OverlayWarning, match=f"writable by its group or by anyone \\(chmod go-w {folder}\\)"):
         assert FIX.add_to_import_path(str(folder)) is False
     assert sys.path == before and "PYTHONPATH" not in os.environ
     state, reason = FIX.lifecycle.state()
-    assert state == State.FAILED and "world-writable" in reason
+    assert state == State.FAILED and "writable by its group or by anyone" in reason
     FIX.lifecycle.strict = True
-    with pytest.raises(OverlayError, match="world-writable"):
+    with pytest.raises(OverlayError, match="writable by its group or by anyone"):
         FIX.add_to_import_path(str(folder))
 
 
-def test_missing_folder_under_a_world_writable_parent_without_sticky_bit_is_refused(isolated_paths, tmp_path):
+@pytest.mark.parametrize("mode", [0o777, 0o775], ids=["world-writable", "group-writable"])
+def test_missing_folder_under_a_parent_others_can_write_is_refused_unless_sticky(isolated_paths, tmp_path, mode):
     shared = tmp_path / "shared"
     shared.mkdir()
-    shared.chmod(0o777)
-    with pytest.warns(OverlayWarning, match="without the sticky bit"):
+    shared.chmod(mode)
+    with pytest.warns(OverlayWarning, match="not a sticky folder of this user or root"):
         assert FIX.add_to_import_path(str(shared / "modules")) is False
     assert not (shared / "modules").exists()
-    shared.chmod(0o1777)  # like /tmp: nobody else can swap our folder
+    shared.chmod(mode | 0o1000)  # sticky, like /tmp: nobody else can swap our folder
     with warnings.catch_warnings():
         warnings.simplefilter("error", OverlayWarning)
         assert FIX.add_to_import_path(str(shared / "modules"))

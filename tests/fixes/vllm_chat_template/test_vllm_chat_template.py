@@ -89,7 +89,7 @@ def test_legacy_spelling_is_renamed_and_the_native_one_wins(world, version):
         assert case["chat_image"] == cli(seen)["chat_image"]
     assert legacy["warnings"] == []
     assert both["warnings"] == [
-        f"OverlayWarning(True): {name}: both default_chat_template_kwargs={OFF!r} and its legacy spelling "
+        f"OverlayWarning(True): mtp-overlay fix 'vllm-chat-template': {name}: both default_chat_template_kwargs={OFF!r} and its legacy spelling "
         "chat_template_kwargs={'enable_thinking': True} were given; default_chat_template_kwargs wins "
         "(drop chat_template_kwargs)"
         for name in CONSUMERS
@@ -179,9 +179,11 @@ def test_probe_needs_the_fix_and_the_hook_wraps_every_consumer(world, version):
 
 
 def without_warning_category(observed):
-    """The hook warns with OverlayWarning, the patched vLLM with UserWarning (both UserWarnings)."""
+    """The hook warns with OverlayWarning (its messages start with the fix's name), the patched vLLM
+    with a plain UserWarning: the same text otherwise."""
     both = observed["both"]
-    return {**observed, "both": {**both, "warnings": [w.split(": ", 1)[1] for w in both["warnings"]]}}
+    prefix = "mtp-overlay fix 'vllm-chat-template': "
+    return {**observed, "both": {**both, "warnings": [w.split(": ", 1)[1].removeprefix(prefix) for w in both["warnings"]]}}
 
 
 @pytest.mark.slow

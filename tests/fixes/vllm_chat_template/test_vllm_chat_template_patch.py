@@ -19,7 +19,7 @@ from mtp_overlay.fixes.vllm_chat_template import CONSUMERS, FIX
 from mtp_overlay.patching.manifest import DEFAULT_PATH, load, touched_files
 from mtp_overlay.patching.survey import marker_on_disk
 from mtp_overlay.testing.releases import release_site
-from mtp_overlay.testing.reproducers import reproducer
+from mtp_overlay.testing.reproducers import reproduce
 
 NAME = "vllm-chat-template"
 VARIANT_OF = {"0.33.0": "0.33.patch", "0.25.1": "0.25.patch"}
@@ -133,7 +133,7 @@ def test_probe_drifted_when_a_constructor_changes_shape(name, old, new, reason):
 
 # --- the reproducer --------------------------------------------------------------------------------
 def test_reproducer_shows_the_bug_on_stock_vllm():
-    shows, evidence = reproducer(registry.get(NAME))()
+    shows, evidence = reproduce(NAME)
     assert shows, evidence
     assert "renders a chat with an <image> placeholder as '<tmp>/chat.jinja': the path" in evidence
 
