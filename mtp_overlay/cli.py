@@ -38,9 +38,32 @@ def _check(args):
 
     registry.uninstall(args.only)  # probe the stock code: no hook fires (or raises) while targets import
     rows = registry.check(args.only)
+    if args.run_stock:
+        _cross_check(rows)
     _rows(rows, args, CHECK_COLUMNS)
     failing = set(State.FAILING) | ({State.REDUNDANT} if args.fail_on_redundant else set())
     return 1 if any(row.verdict in failing for row in rows) else 0
+
+
+def _cross_check(rows):
+    """Run each probed fix's stock code path (the test bed's reproducer) and compare: a probe that
+    reads the code one way while the code behaves the other is `State.DISAGREES`."""
+    from .contract import State
+    from .testing.reproducers import reproduce  # the test bed, reached only from `check --run`
+
+    for row in rows:
+        if row.verdict not in (State.NEEDED, State.REDUNDANT):
+            continue
+        try:
+            shows, evidence = reproduce(row.name)
+        except Exception as exc:
+            lines = [line for line in str(exc).splitlines() if line.strip()]
+            row.reason += f"; the stock run could not run: {type(exc).__name__}: {lines[-1] if lines else ''}"
+            continue
+        ran = State.NEEDED if shows else State.REDUNDANT
+        if ran != row.verdict:
+            row.reason = f"the probe says {row.verdict} ({row.reason}) but the stock run says {ran}: {evidence}"
+            row.verdict = State.DISAGREES
 
 
 def _demo(args):
@@ -59,6 +82,8 @@ def build_parser():
     check.add_argument("--json", action="store_true")
     check.add_argument("--only", action="append", metavar="FIX", help="this fix only (repeatable)")
     check.add_argument("--fail-on-redundant", action="store_true", help="exit 1 when a fix is already upstream")
+    check.add_argument("--run", action="store_true", dest="run_stock",
+                       help="also run each fix's stock code path (test bed) and report a disagreement with the probe")
     check.set_defaults(run=_check)
     demo = commands.add_parser("demo", help="the tiny GPT+MTP on 2 gloo ranks, each fix off and on")
     demo.set_defaults(run=_demo)
@@ -71,6 +96,11 @@ def main(argv=None):
     args = build_parser().parse_args(argv)
     try:
         return args.run(args)
+    except BrokenPipeError:  # the reader left (`mtp-overlay status | head`): nothing more to say
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        return 1
     except (ValueError, OSError) as exc:  # bad names, paths, permissions: usage, not a crash
         print(f"mtp-overlay {args.command}: {exc}", file=sys.stderr)
         return 2

@@ -33,18 +33,19 @@ class State:
     REDUNDANT = "redundant"  # upstream already carries the fix: stand down
     DRIFTED = "drifted"  # the target is missing or of an unknown shape: not applied
     UNSUPPORTED = "unsupported"  # the release does not import on this stack (or predates every patch)
+    DISAGREES = "disagrees"  # `check --run`: the probe's reading and the stock run's behaviour differ
     # a source patch on disk (`mtp-overlay patch`); NEEDED, REDUNDANT and ABSENT as above
     APPLIED = "applied"
     MISMATCH = "mismatch"  # the files are neither the released nor the patched bytes
 
     RUNTIME = (PENDING, INSTALLED, REDUNDANT, DRIFTED, DISABLED, FAILED, ABSENT)
-    VERDICTS = (NEEDED, REDUNDANT, DRIFTED, FAILED, ABSENT, UNSUPPORTED)
+    VERDICTS = (NEEDED, REDUNDANT, DRIFTED, FAILED, ABSENT, UNSUPPORTED, DISAGREES)
     ON_DISK = (APPLIED, NEEDED, REDUNDANT, MISMATCH, ABSENT, UNSUPPORTED)  # unsupported: no patch this old
     # several targets that disagree: the fix reports the first of these it finds
     RUNTIME_PRIORITY = (FAILED, DRIFTED, INSTALLED, REDUNDANT)
     VERDICT_PRIORITY = (UNSUPPORTED, FAILED, DRIFTED, NEEDED, REDUNDANT)
     # the verdicts `mtp-overlay check` fails on
-    FAILING = (DRIFTED, FAILED, UNSUPPORTED)
+    FAILING = (DRIFTED, FAILED, UNSUPPORTED, DISAGREES)
 
 
 class Verdict:

@@ -9,7 +9,7 @@ full rows and returns ``(output, sliced_loss_mask)``; any other model takes the 
 import contextlib
 import contextvars
 
-from .mask import _shape, unwrap_model
+from .mask import _shape, check_weights, unwrap_model
 from .packing import _check_cp, _check_cu_seqlens, cp_local_indices, cp_shard
 
 _SCOPED_LOSS_MASK = contextvars.ContextVar("mtp_overlay_scoped_loss_mask", default=None)
@@ -83,6 +83,7 @@ def check_loss_mask_layout(input_ids, loss_mask, packed_seq_params=None, cp_size
             f"packed_seq_params must be a megatron PackedSeqParams (with cu_seqlens_q) or None, got {type(packed_seq_params).__name__}"
         )
     _check_cp(cp_size, cp_rank)
+    check_weights(loss_mask, "loss_mask")
     if tuple(loss_mask.shape) != tuple(input_ids.shape):
         raise ValueError(
             f"loss_mask has layout {_shape(loss_mask)} but input_ids has {_shape(input_ids)}: the MTP loss mask "
@@ -120,13 +121,18 @@ def padding_slots(local_length, packed_seq_params, cp_size=1, cp_rank=0, device=
         raise ValueError(
             f"packed_seq_params: padded sequence lengths {padded.tolist()[:16]} are not multiples of 2*cp_size={2 * cp_size}"
         )
+    if local_length * cp_size != int(padded_cu[-1]):
+        where = f"{local_length} slots on CP rank {cp_rank} of {cp_size}" if cp_size > 1 else f"{local_length} slots"
+        raise ValueError(
+            f"packed row: input_ids has {where}, but packed_seq_params.cu_seqlens_q_padded ends at "
+            f"{int(padded_cu[-1])}: expected {int(padded_cu[-1]) / cp_size:g} slots per row (pack the row "
+            "with those boundaries, no slot past the last one)"
+        )
     # padding over the whole packed row, then this rank's slots of it (the 2*cp-chunk layout)
     position = torch.arange(int(padded_cu[-1]), device=real_cu.device)
     sequence = torch.searchsorted(padded_cu, position, right=True) - 1
     padding = position - padded_cu[sequence] >= real[sequence]
-    local = padding[cp_local_indices(padded_cu, cp_size, cp_rank)][:local_length]
-    tail = torch.ones(local_length - local.numel(), dtype=torch.bool, device=local.device)  # past the last sequence
-    return torch.cat([local, tail])
+    return padding[cp_local_indices(padded_cu, cp_size, cp_rank)]
 
 
 def _check_tensor(value, name, expected="a torch.Tensor"):

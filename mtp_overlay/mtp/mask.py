@@ -50,6 +50,17 @@ def check_binary(tensor, name):
         raise ValueError(f"{name} must hold only 0 and 1, got values {sorted(set(tensor.unique().tolist()))[:8]}")
 
 
+def check_weights(tensor, name):
+    """ValueError naming ``name`` unless every element of ``tensor`` is a finite weight >= 0: a NaN
+    or infinite loss-mask entry makes the MTP loss NaN, a negative one trains against the target."""
+    import torch
+
+    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+        raise ValueError(f"{name} must hold finite weights, got NaN or inf")
+    if tensor.dtype != torch.bool and bool((tensor < 0).any()):
+        raise ValueError(f"{name} must hold weights >= 0, got {float(tensor.min())}")
+
+
 def check_sample_mask(sample_mask, batch_size):
     """``sample_mask``: 1-D, one finite non-negative weight per row."""
     import torch

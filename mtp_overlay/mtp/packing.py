@@ -9,7 +9,7 @@ sequence is cut into ``2 * cp_size`` chunks and rank r keeps chunks r and ``2 * 
 
 import collections
 
-from .mask import _shape
+from .mask import _shape, check_weights
 
 PackedBatch = collections.namedtuple(
     "PackedBatch", ["input_ids", "loss_mask", "cu_seqlens", "cu_seqlens_padded", "max_seqlen"]
@@ -44,6 +44,7 @@ def pack_sequences(input_ids, lengths, loss_mask=None, *, pad_multiple=1, pad_to
     _check_pad_token_id(pad_token_id, input_ids.dtype)
     if loss_mask is not None:
         _check_same_shape(loss_mask, "loss_mask", input_ids, "input_ids")
+        check_weights(loss_mask, "loss_mask")
     padded = (lengths + pad_multiple - 1) // pad_multiple * pad_multiple
     cu_seqlens = _cumulative(lengths)
     cu_seqlens_padded = _cumulative(padded)
@@ -201,6 +202,8 @@ def _check_same_shape(tensor, name, reference, reference_name):
 def _check_lengths(lengths, batch_size, seq_len, device):
     import torch
 
+    if isinstance(lengths, (list, tuple)) and not lengths:
+        lengths = torch.zeros(0, dtype=torch.int64)  # an empty batch, whatever holds its lengths
     lengths = torch.as_tensor(lengths, device=device)
     if lengths.dim() != 1 or lengths.shape[0] != batch_size:
         raise ValueError(f"lengths must have shape [{batch_size}] (one per row of input_ids), got {_shape(lengths)}")

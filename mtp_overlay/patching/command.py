@@ -26,7 +26,8 @@ def add_parser(commands):
     patch.add_argument("--dry-run", action="store_true", help="decide and verify everything, write nothing")
     patch.add_argument("--json", action="store_true", help="one JSON object per fix, in a list")
     patch.add_argument("--fail-on-redundant", action="store_true", help="exit 1 when a patch is already upstream")
-    patch.add_argument("--fail-on-needed", action="store_true", help="exit 1 when a patch is still not applied")
+    patch.add_argument("--fail-on-needed", action="store_true",
+                       help="exit 1 when a patch is still not applied, or when no patched distribution is there at all")
     patch.add_argument("--manifest", default=str(DEFAULT_PATH), help="patch manifest (default: %(default)s)")
     patch.set_defaults(run=run)
     return patch
@@ -51,7 +52,7 @@ def run(args):
 
     from ..contract import State
     from .engine import run as run_engine
-    from .gitapply import PatchError
+    from .gitapply import GitMissing, PatchError
     from .locate import site_dirs
     from .manifest import ManifestError, load
 
@@ -60,7 +61,7 @@ def run(args):
         manifest = load(Path(args.manifest).resolve())
         dirs = site_dirs(python=args.python, site_packages=args.site_packages)
         reports = run_engine(args.action, fixes, manifest, dirs, dry_run=args.dry_run)
-    except (ManifestError, ValueError) as exc:
+    except (ManifestError, ValueError, GitMissing) as exc:
         print(f"mtp-overlay patch: {exc}", file=sys.stderr)
         return 2
     except PatchError as exc:
@@ -74,7 +75,8 @@ def run(args):
             _print_row(row)
     failed = any(row["action"] in ("refused", "failed") or row["state"] == State.MISMATCH for row in rows)
     failed |= args.fail_on_redundant and any(row["state"] == State.REDUNDANT for row in rows)
-    failed |= args.fail_on_needed and any(row["state"] == State.NEEDED for row in rows)
+    nothing_here = all(row["state"] == State.ABSENT for row in rows)  # a wrong --site-packages, say
+    failed |= args.fail_on_needed and (nothing_here or any(row["state"] == State.NEEDED for row in rows))
     return 1 if failed else 0
 
 

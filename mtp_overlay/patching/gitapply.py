@@ -12,6 +12,10 @@ class PatchError(RuntimeError):
     """A patch could not be applied or reverted; every file was left (or put back) as it was."""
 
 
+class GitMissing(PatchError):
+    """``git`` is not on PATH: nothing can be decided about any patch."""
+
+
 def git_apply(patch, current, reverse=False):
     """``(files, "")``: what ``patch`` makes of ``current`` ({relative path: bytes or None}), or
     ``(None, git's error)`` when it does not apply."""
@@ -28,7 +32,8 @@ def git_apply(patch, current, reverse=False):
         try:
             result = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True)
         except FileNotFoundError:
-            raise PatchError("git not found on PATH: `mtp-overlay patch` applies patches with `git apply`") from None
+            raise GitMissing("git not found on PATH: `mtp-overlay patch` applies patches with `git apply` "
+                             "(install git)") from None
         if result.returncode != 0:
             return None, result.stderr.strip()
         return {file: _read(tree / file) for file in current}, ""

@@ -9,7 +9,7 @@ fix's marker is in the pre-image, and a file matching nothing is a mismatch that
 import hashlib
 
 from ..contract import State
-from .gitapply import PatchError, git_apply
+from .gitapply import GitMissing, PatchError, git_apply
 from .locate import find_distribution
 from .manifest import ManifestError, state_key, touched_files
 
@@ -91,12 +91,15 @@ def survey(fix, manifest, dirs=None, verify=True):
             if verify:
                 try:
                     transform(report, report.current, report.carries, reverse=False)
+                except GitMissing:
+                    raise
                 except PatchError as exc:
                     return report.set(State.MISMATCH, str(exc))
             return report.set(State.NEEDED, f"{report.patch.name} fits {name}: pre-image sha256 matches, applies cleanly")
     if git_apply(report.patch, report.current, reverse=True)[0] is not None:
         return report.set(State.APPLIED, f"{report.patch.name}: the reverse patch applies (files differ from the manifest)")
-    if marker_on_disk(fix, installed.root):
+    # a measured release's files are known byte for byte: other bytes are a local edit, never "upstream"
+    if installed.version not in manifest.images.get(fix.distribution, {}) and marker_on_disk(fix, installed.root):
         return report.set(State.REDUNDANT, f"{name}: {fix.marker}: the behaviour is already in the pre-image")
     return report.set(State.MISMATCH, _mismatch(report))
 
@@ -173,7 +176,7 @@ def _mismatch(report):
         else:
             lines.append(
                 f"{where}: expected sha256 {' or '.join(entry['released']) or '(none measured)'} ({name} as "
-                f"released, or with other fixes' patches), found {entry['found'] or 'no file'}"
+                f"released, or with other fixes' patches), found {entry['found'] or 'no file'} (edited since?)"
             )
     return f"{report.patch.name}: " + "; ".join(lines)
 

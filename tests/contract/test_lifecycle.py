@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 import threading
+import time
 import uuid
 import warnings
 
@@ -323,13 +324,84 @@ def test_unknown_fix_name_is_refused():
         registry.install(only=["nope"])
 
 
-def test_warning_category_can_be_escalated(target, register):
+def test_warnings_escalated_to_errors_stop_the_import_and_the_state_stays_drift(target, register):
     fix = register(DoublingFix(target(), behaviour="drift"))
     registry.install(only=[fix.name], strict=False)
     with warnings.catch_warnings():
         warnings.simplefilter("error", OverlayWarning)
-        with pytest.raises(OverlayWarning):
+        with pytest.raises(OverlayWarning, match="Target.compute is gone"):
             importlib.import_module(fix.targets[0])
+    row = registry.status(only=[fix.name])[0]
+    assert (row.state, row.reason) == (State.DRIFTED, f"{fix.targets[0]}: Target.compute is gone")  # said once
+
+
+def test_the_command_line_way_to_escalate_overlay_warnings_works_in_the_default_install():
+    """`-W error:mtp-overlay` matches every OverlayWarning by its message (a `-W` category must be
+    importable before site-packages are: `mtp_overlay.OverlayWarning` is not)."""
+    env = {**__import__("os").environ, "MTP_OVERLAY_DISABLE": "no-such-fix"}
+    command = [sys.executable, "-c", "import mtp_overlay"]
+    relaxed = subprocess.run(command, capture_output=True, text=True, env=env)
+    assert relaxed.returncode == 0 and "OverlayWarning: mtp-overlay: MTP_OVERLAY_DISABLE names unknown fix" in relaxed.stderr
+    strict = subprocess.run([sys.executable, "-W", "error:mtp-overlay", *command[1:]], capture_output=True, text=True, env=env)
+    assert strict.returncode == 1 and "mtp_overlay.contract.OverlayWarning: mtp-overlay:" in strict.stderr
+    assert "Invalid -W option" not in strict.stderr
+
+
+@pytest.mark.parametrize("value", ["2", "enabled", "y"])
+def test_an_unrecognised_strict_switch_warns_and_stays_off(target, register, monkeypatch, value):
+    monkeypatch.setenv("MTP_OVERLAY_STRICT", value)
+    fix = register(DoublingFix(target(), behaviour="drift"))
+    with pytest.warns(OverlayWarning, match=f"MTP_OVERLAY_STRICT='{value}' is not one of"):
+        registry.install(only=[fix.name])
+    with pytest.warns(OverlayWarning, match="Target.compute is gone"):  # warned, not raised: off
+        importlib.import_module(fix.targets[0])
+
+
+def test_install_takes_strict_as_a_bool_and_skip_as_none_too(target, register):
+    fix = register(DoublingFix(target()))
+    with pytest.raises(TypeError, match=r"install\(strict=...\) must be True, False or None .* got 'no'"):
+        registry.install(only=[fix.name], strict="no")
+    registry.install(only=[fix.name], skip=None)
+    assert registry.status(only=[fix.name])[0].state == State.PENDING
+
+
+def test_an_overlay_imported_while_another_thread_imports_the_target_installs_when_that_import_ends(target, register):
+    """The module is in sys.modules but still running its body: probing it then would see it half
+    built (drift); the fix installs once the other thread's import has finished."""
+    name = target(delay=0.5)
+    fix = register(DoublingFix(name))
+    importer = threading.Thread(target=importlib.import_module, args=(name,))
+    importer.start()
+    while name not in sys.modules:
+        time.sleep(0.01)
+    assert sys.modules[name].__spec__._initializing
+    registry.install(only=[fix.name])
+    importer.join()
+    deadline = time.monotonic() + 10
+    while registry.status(only=[fix.name])[0].state == State.PENDING and time.monotonic() < deadline:
+        time.sleep(0.01)
+    row = registry.status(only=[fix.name])[0]
+    assert (row.state, row.late) == (State.INSTALLED, True)
+    assert sys.modules[name].Target().compute(1) == 4 and wrappers_around(raw(sys.modules[name])) == 1
+
+
+WITHOUT_WRAPT = """
+import sys, warnings
+sys.modules["wrapt"] = None  # an environment without wrapt
+warnings.simplefilter("always")
+with warnings.catch_warnings(record=True) as caught:
+    import mtp_overlay
+    import ray  # must import all the same
+row = mtp_overlay.status(only=["hf-modules-cache"])[0]
+print(row.state, "|", row.reason, "|", sum("wrapt cannot be imported" in str(w.message) for w in caught))
+"""
+
+
+def test_without_wrapt_the_upstream_import_proceeds_and_the_fix_says_failed():
+    result = subprocess.run([sys.executable, "-c", WITHOUT_WRAPT], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    state, reason, warned = result.stdout.strip().splitlines()[-1].split(" | ")
+    assert state == "failed" and "wrapt cannot be imported" in reason and warned == "1"
 
 
 def test_a_failing_target_takes_off_only_its_own_wrappers(target, register):
@@ -349,3 +421,23 @@ def test_a_failing_target_takes_off_only_its_own_wrappers(target, register):
     assert first.Target().compute(1) == 4  # still fixed
     assert second.Target().compute(1) == 2
     assert registry.status(only=[fix.name])[0].state == State.FAILED
+
+
+class NeedsAMovedModule(DoublingFix):
+    """Its probe of the second target imports the first, which upstream has moved away."""
+
+    def probe(self, module):
+        importlib.import_module(self.target_names[0])
+        return needed()
+
+
+def test_a_moved_target_gets_one_answer_from_the_runtime_and_from_check(target, register):
+    moved, present = f"overlay_moved_{uuid.uuid4().hex[:8]}", target()
+    fix = register(NeedsAMovedModule(moved, present))
+    registry.install(only=[fix.name])
+    with pytest.warns(OverlayWarning, match=f"target module {moved} does not exist"):
+        importlib.import_module(present)
+    runtime = registry.status(only=[fix.name])[0]
+    checked = registry.check([fix.name])[0]
+    assert runtime.state == checked.verdict == State.DRIFTED and checked.verdict in State.FAILING
+    assert runtime.reason == checked.reason == f"{present}: target module {moved} does not exist in this release (moved?)"

@@ -6,9 +6,11 @@ forward, the MTP path never does, so under sequence parallelism `decoder_input` 
 against hidden states of [S/(CP*TP), b, h] and `_concat_embeddings` fails. Upstream fix: Megatron-LM
 PR #6256 (commit 67700f79), first shipped in 0.20.0.
 
-The hook hands `_get_embeddings` an embedding whose output is scattered, so the scatter lands exactly
-where upstream puts it (after the embedding call, before the `mtp_detach_heads` detach) whatever the
-release's return layout.
+The hook scatters the decoder input `_get_embeddings` returns (in each release's return layout) unless
+its length already is the hidden states' (an upstream fix the probe did not recognise): never twice.
+Upstream scatters right after the embedding call, before the `mtp_detach_heads` detach; the scatter's
+forward is a slice, so scattering the returned (possibly detached) tensor gives the same values and
+gradients.
 """
 
 from ...contract import Fix, Marker, Provenance, drifted, needed, redundant
@@ -91,24 +93,7 @@ class SPScatterFix(Fix):
         return needed(f"signature of megatron-core {variant[0]}")
 
     def wrappers(self, module):
-        import wrapt
-
-        class ScatteringEmbedding(wrapt.CallableObjectProxy):
-            """The model's embedding, its output scattered to the sequence-parallel region unless it
-            already matches the hidden states' length (never scatter twice)."""
-
-            def __init__(self, embedding, group, hidden_length):
-                super().__init__(embedding)
-                self._self_group, self._self_hidden_length = group, hidden_length
-
-            def __call__(self, *args, **kwargs):
-                output = self.__wrapped__(*args, **kwargs)
-                if output.shape[0] == self._self_hidden_length:
-                    return output
-                scatter = _scatter_function(module)
-                if self._self_group is None:
-                    return scatter(output)
-                return scatter(output, group=self._self_group)
+        _, index = signature_variant(stock_get_embeddings(module.MultiTokenPredictionLayer))
 
         def argument(name, position, args, kwargs):
             if name in kwargs:
@@ -118,16 +103,17 @@ class SPScatterFix(Fix):
             raise TypeError(f"_get_embeddings() missing required argument: {name!r}")
 
         def get_embeddings(wrapped, instance, args, kwargs):
+            result = wrapped(*args, **kwargs)
             embedding = argument("embedding", EMBEDDING_POSITION, args, kwargs)
             if not instance.config.sequence_parallel or embedding_scatters(embedding):
-                return wrapped(*args, **kwargs)
-            hidden_states = argument("hidden_states", HIDDEN_STATES_POSITION, args, kwargs)
-            scattering = ScatteringEmbedding(embedding, getattr(instance, "tp_group", None), hidden_states.shape[0])
-            if "embedding" in kwargs:
-                kwargs = dict(kwargs, embedding=scattering)
-            else:
-                args = args[:EMBEDDING_POSITION] + (scattering,) + args[EMBEDDING_POSITION + 1 :]
-            return wrapped(*args, **kwargs)
+                return result
+            decoder_input = result[index]
+            if decoder_input.shape[0] == argument("hidden_states", HIDDEN_STATES_POSITION, args, kwargs).shape[0]:
+                return result  # already scattered (upstream in a spelling the probe missed): never twice
+            group = getattr(instance, "tp_group", None)
+            scatter = _scatter_function(module)
+            scattered = scatter(decoder_input) if group is None else scatter(decoder_input, group=group)
+            return result[:index] + (scattered,) + result[index + 1 :]
 
         yield module.MultiTokenPredictionLayer, "_get_embeddings", get_embeddings
 

@@ -21,6 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import mtp_overlay
+from mtp_overlay.contract import State
 from mtp_overlay.fixes.device_normalized_broadcast import FIX, to_device_stream
 from mtp_overlay.lifecycle import Lifecycle
 from mtp_overlay.testing.launcher import _free_port
@@ -413,6 +414,19 @@ def test_probe_finds_packing_that_normalizes_redundant():
     )
     verdict = FIX.probe(fixed)
     assert verdict.state == "redundant" and "normalizes devices" in verdict.reason
+
+
+def test_a_platform_error_in_the_stock_run_is_not_taken_for_the_bug():
+    """The probe runs stock pack_tensors on a host+meta stream; an error about anything but the
+    devices (no driver, no memory) says nothing about the bug: failed, with the error, not needed."""
+    broken = edited(
+        packed_tensor,
+        "packed = torch.cat(tensor_list, dim=0)",
+        'raise RuntimeError("Found no NVIDIA driver on your system.")',
+    )
+    verdict = FIX.probe(broken)
+    assert verdict.state == "failed" and "Found no NVIDIA driver" in verdict.reason
+    assert verdict.state in State.FAILING
 
 
 PRODUCER_GROUP = "    group: Any,\n    src: int,\n    post_iter_func"

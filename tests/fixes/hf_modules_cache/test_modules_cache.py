@@ -403,6 +403,22 @@ def test_missing_folder_under_a_parent_others_can_write_is_refused_unless_sticky
         assert FIX.add_to_import_path(str(shared / "modules"))
 
 
+def test_a_value_holding_os_pathsep_is_refused_not_split_into_several_entries(isolated_paths, tmp_path):
+    before = list(sys.path)
+    with pytest.warns(OverlayWarning, match="contains ':' \\(os.pathsep\\)"):
+        assert FIX.add_to_import_path(f"{tmp_path}/modules{os.pathsep}/tmp") is False
+    assert sys.path == before and "PYTHONPATH" not in os.environ
+
+
+def test_a_regular_file_is_refused(isolated_paths, tmp_path):
+    file = tmp_path / "modules"
+    file.write_text("not a folder")
+    before = list(sys.path)
+    with pytest.warns(OverlayWarning, match="is not a folder"):
+        assert FIX.add_to_import_path(str(file)) is False
+    assert sys.path == before and "PYTHONPATH" not in os.environ
+
+
 @pytest.mark.skipif(os.getuid() != 0, reason="needs root to chown a folder to another user")
 def test_folder_owned_by_another_user_is_refused(isolated_paths, tmp_path):
     folder = tmp_path / "modules"

@@ -116,3 +116,41 @@ def test_hook_scatters_on_older_releases(version, decoder_input_index, monkeypat
         assert release == version
         assert stock_shape == (32, 2, 64)  # stock: the full sequence against 16-token hidden states
         assert hooked_shape == (16, 2, 64) and is_chunk
+
+
+# upstream carrying the fix in another spelling than the marker the probe reads: through an alias
+ALIAS_SPELLING = (
+    "        decoder_input = embedding(input_ids=input_ids, position_ids=position_ids)\n",
+    (
+        "        decoder_input = embedding(input_ids=input_ids, position_ids=position_ids)\n"
+        "        if self.config.sequence_parallel and not getattr(embedding, 'scatter_to_sequence_parallel', True):\n"
+        "            decoder_input = _scatter_for_mtp(decoder_input, group=self.tp_group)\n"
+    ),
+)
+
+
+def test_upstream_fix_in_another_spelling_is_never_applied_twice_and_check_run_says_they_disagree(
+    tp1, tmp_path, monkeypatch
+):
+    """The probe misses the fix (the marker reads `scatter_to_sequence_parallel_region`, upstream calls
+    an alias) and installs the hook: the hook checks the tensor, sees it already scattered and leaves
+    it (the step equals TP1's); `mtp-overlay check --run` runs the stock path, finds no bug, and says
+    the probe and the run disagree (exit 1)."""
+    import os
+    import sys
+
+    site = copy_installed("megatron-core", tmp_path / "site")
+    module = site / "megatron" / "core" / "transformer" / "multi_token_prediction.py"
+    source = module.read_text()
+    old, new = ALIAS_SPELLING
+    assert source.count(old) == 1
+    module.write_text(source.replace(old, new) + "\n_scatter_for_mtp = scatter_to_sequence_parallel_region\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))}
+    checked = subprocess.run([sys.executable, "-m", "mtp_overlay.cli", "check", "--only", FIX, "--run"],
+                             capture_output=True, text=True, env=env, timeout=600)
+    assert checked.returncode == 1, checked.stdout + checked.stderr
+    assert "disagrees" in checked.stdout and "the probe says needed" in checked.stdout
+    monkeypatch.syspath_prepend(str(site))  # spawned ranks import the edited copy
+    hooked = run_ranks_checked(train_with_status, 2, tp=2, kwargs=NOT_SCATTERING, fixes=[FIX])
+    assert all(state == "installed" for _, state in hooked)
+    assert_same_losses(hooked[0][0], tp1)

@@ -96,7 +96,7 @@ from vllm.model_executor.models import deepseek_mtp, nemotron_h_mtp, utils
 out = {"version": vllm.__version__, "where": os.path.dirname(vllm.__file__)}
 modules = (nemotron_h_mtp, deepseek_mtp, layerwise, packed_tensor, nccl_engine)
 out["probes"] = [(DRAFTER_FIX if i < 3 else BROADCAST_FIX).probe(m).state for i, m in enumerate(modules)]
-out["status"] = {row.name: [row.state, row.patched] for row in mtp_overlay.status() if row.distribution == "vllm"}
+out["status"] = {row.name: [row.state, row.patched] for row in mtp_overlay.status() if row.name in ("vllm-mtp-drafter-load", "device-normalized-broadcast")}
 said = []
 handler = logging.Handler(logging.WARNING)
 handler.emit = lambda record: said.append(record.getMessage())

@@ -1,0 +1,157 @@
+"""`mtp-overlay patch` in a hostile environment: it never reports a state that is not on disk.
+
+Parallel image builds on one site-packages, a build killed between two writes, a relative manifest,
+no git, a file edited after patching, a wrong --site-packages, a symlinked module, a closed pipe.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_patching import (  # noqa: F401  (test_fixes, site_0_19: fixtures)
+    MODULE,
+    SECOND,
+    leftovers,
+    measured,
+    only,
+    patch,
+    sha,
+    site_0_19,
+    site_copy,
+    test_fixes,
+    tree,
+)
+
+from mtp_overlay.patching import transaction
+
+CLI = [sys.executable, "-m", "mtp_overlay.cli"]
+
+
+def test_parallel_applies_on_one_site_serialize_and_every_process_reports_the_truth(tmp_path):
+    """Four builds apply at once, three rounds: the file ends patched, exactly one process patched it,
+    the others say it was already applied, none exits 0 over a file left at its pre-image."""
+    site = site_copy("0.19.2", tmp_path)
+    _, (pre, post) = measured("0.19.2")
+    command = CLI + ["patch", "apply", "--site-packages", str(site), "--only", "mtp-sp-scatter", "--json"]
+    for _ in range(3):
+        runs = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(4)]
+        rows = []
+        for run in runs:
+            out, err = run.communicate(timeout=300)
+            assert run.returncode == 0, err
+            rows += json.loads(out)
+        assert sha(site / MODULE) == post
+        assert sorted(row["action"] for row in rows) == ["already applied"] * 3 + ["patched"]
+        assert leftovers(site) == []
+        assert subprocess.run(CLI + ["patch", "revert", "--site-packages", str(site), "--only", "mtp-sp-scatter"],
+                              capture_output=True).returncode == 0
+        assert sha(site / MODULE) == pre
+
+
+KILLED_BETWEEN_WRITES = """
+import os, sys
+from mtp_overlay import registry
+from mtp_overlay.lifecycle import Lifecycle
+from mtp_overlay.patching import engine, transaction
+from mtp_overlay.patching.manifest import load
+from mtp_overlay.contract import Fix
+
+class CommentFix(Fix):
+    distribution = "megatron-core"
+    families = {"0.19": ">=0.19,<0.20"}
+    def __init__(self, name):
+        self.name = name
+
+fix = CommentFix("two-files")
+registry.FIXES.append((fix.name, ()))
+registry._lifecycles[fix.name] = Lifecycle(fix.name, (), fix)
+real_put, calls = transaction._put, []
+
+def put_then_die(path, data):
+    real_put(path, data)
+    calls.append(path)
+    if len(calls) == 2:  # the journal, then the first file: the process dies before the second
+        os._exit(9)
+
+transaction._put = put_then_die
+engine.run("apply", [fix], load(sys.argv[1]), [sys.argv[2]])
+"""
+
+
+@pytest.mark.parametrize("command", ["apply", "revert"])
+def test_a_build_killed_between_two_writes_is_recovered_by_the_next_run(site_0_19, test_fixes, capsys, command):
+    manifest, fixes = test_fixes({"two-files": (MODULE, SECOND)})
+    before = tree(site_0_19)
+    killed = subprocess.run([sys.executable, "-c", KILLED_BETWEEN_WRITES, str(manifest), str(site_0_19)],
+                            capture_output=True, text=True)
+    assert killed.returncode == 9, killed.stderr
+    assert (site_0_19 / transaction.JOURNAL).exists() and sha(site_0_19 / MODULE) != before[MODULE]  # half-applied
+    code, [row] = patch(capsys, command, "--site-packages", str(site_0_19), "--manifest", str(manifest), *only(fixes))
+    assert code == 0, row
+    if command == "revert":  # the interrupted write is undone, nothing to revert
+        assert row["action"] == "not applied" and tree(site_0_19) == before
+    else:
+        assert row["action"] == "patched" and row["state"] == "applied"
+    assert not (site_0_19 / transaction.JOURNAL).exists()
+
+
+def test_a_relative_manifest_path_works(site_0_19, tmp_path):
+    relative = os.path.relpath(Path(__file__).resolve().parents[2] / "patches" / "manifest.json", tmp_path)
+    result = subprocess.run(CLI + ["patch", "check", "--site-packages", str(site_0_19), "--only", "mtp-sp-scatter",
+                                   "--manifest", relative], capture_output=True, text=True, cwd=tmp_path)
+    assert result.returncode == 0 and "needed" in result.stdout, result.stdout + result.stderr
+
+
+def test_no_git_is_said_as_such_not_as_a_mismatch(site_0_19, tmp_path):
+    bare = tmp_path / "bin"  # a PATH with python but no git
+    bare.mkdir()
+    (bare / "python").symlink_to(sys.executable)
+    env = {**os.environ, "PATH": str(bare)}
+    result = subprocess.run(CLI + ["patch", "check", "--site-packages", str(site_0_19), "--only", "mtp-sp-scatter"],
+                            capture_output=True, text=True, env=env)
+    assert result.returncode == 2 and "git not found on PATH" in result.stderr
+    assert "mismatch" not in result.stdout
+
+
+def test_revert_after_an_edit_inside_the_patched_hunk_is_a_mismatch_not_redundant(site_0_19, capsys):
+    assert patch(capsys, "apply", "--site-packages", str(site_0_19))[0] == 0
+    path = site_0_19 / MODULE
+    source = path.read_text()
+    assert source.count("scatter_to_sequence_parallel_region(decoder_input") == 1
+    path.write_text(source.replace("scatter_to_sequence_parallel_region(decoder_input",
+                                   "scatter_to_sequence_parallel_region(  decoder_input"))
+    before = tree(site_0_19)
+    code, [row] = patch(capsys, "revert", "--site-packages", str(site_0_19))
+    assert code == 1 and row["state"] == "mismatch" and "edited since" in row["reason"]
+    assert tree(site_0_19) == before
+
+
+def test_fail_on_needed_fails_where_no_patched_distribution_is_installed(tmp_path, capsys):
+    code, rows = patch(capsys, "check", "--site-packages", str(tmp_path), "--fail-on-needed")
+    assert code == 1 and {row["state"] for row in rows} == {"absent"}
+
+
+def test_a_symlinked_module_stays_a_symlink_and_gets_its_bytes_back(site_0_19, tmp_path, capsys):
+    real = tmp_path / "elsewhere" / "multi_token_prediction.py"
+    real.parent.mkdir()
+    link = site_0_19 / MODULE
+    real.write_bytes(link.read_bytes())
+    link.unlink()
+    link.symlink_to(real)
+    _, (pre, post) = measured("0.19.2")
+    assert patch(capsys, "apply", "--site-packages", str(site_0_19))[0] == 0
+    assert link.is_symlink() and sha(real) == post
+    assert patch(capsys, "revert", "--site-packages", str(site_0_19))[0] == 0
+    assert link.is_symlink() and sha(real) == pre
+    assert leftovers(site_0_19) == [] and leftovers(real.parent) == []
+
+
+def test_a_reader_that_leaves_early_gets_no_traceback():
+    """`mtp-overlay status | head`: the pipe closes before the CLI writes."""
+    reader = subprocess.Popen(CLI + ["status"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    reader.stdout.close()
+    _, err = reader.communicate(timeout=120)
+    assert b"Traceback" not in err and b"BrokenPipeError" not in err, err.decode()
