@@ -1,4 +1,4 @@
-"""Benchmark device-normalized-broadcast against stock vLLM on an all-on-device refit stream (issue #6).
+"""Benchmark device-normalized-broadcast against stock vLLM on an all-on-device refit stream.
 
 Runs vLLM's real ``packed_nccl_broadcast_producer`` (and so ``pack_tensors``) over >= 1 GiB of
 tensors already on the communicator's device, hooked and stock, interleaved in one process. On a CPU

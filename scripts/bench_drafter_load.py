@@ -1,4 +1,4 @@
-"""Benchmark vllm-mtp-drafter-load: the cost per refit of accounting vLLM's MTP drafter loads (issue #16).
+"""Benchmark vllm-mtp-drafter-load: the cost per refit of accounting vLLM's MTP drafter loads.
 
 Builds vLLM's real ``NemotronHMTP`` on CPU (test bed `mtp_overlay.testing.vllm_drafter`), tiny and
 wide, and refits it with its own MTP head in checkpoint naming, stock (the unwrapped

@@ -1,4 +1,4 @@
-"""Cost of the installed overlay on the tiny MTP training step, against stock, in one process (issue #2).
+"""Cost of the installed overlay on the tiny MTP training step, against stock, in one process.
 
 One gloo rank (TP1) and two (TP2 + sequence parallel) run forward+backward of the test bed's tiny
 GPT with one MTP layer, alternating every repetition between the overlay installed (every fix's

@@ -1,6 +1,6 @@
 """Time `mtp-overlay patch check` and apply+revert on a temporary copy of the installed megatron-core.
 
-Budgets (issue #7): check <= 1 s, apply+revert <= 2 s, timed as a container build runs them: the CLI in
+Budgets: check <= 1 s, apply+revert <= 2 s, timed as a container build runs them: the CLI in
 a fresh interpreter. Side by side, in the same copy: the same commands in process (the interpreter's
 start-up is the difference) and bare `git apply --check` / `git apply` + `git apply -R` of the same patch,
 the floor of any git-based patcher; the ratio is what discovery, hash checks and the transaction cost.

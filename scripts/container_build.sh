@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Container-build example (issue #7): install the pinned stack, put the fixes' source patches on disk,
+# Container-build example: install the pinned stack, put the fixes' source patches on disk,
 # verify them, and fail the build on any error. For images whose processes never `import mtp_overlay`.
 #
 #   Dockerfile:  COPY . /src/mtp-overlay

@@ -1,4 +1,4 @@
-"""Measure every fix on every supported upstream release and write docs/SUPPORT.md (issue #8).
+"""Measure every fix on every supported upstream release and write docs/SUPPORT.md.
 
 Each release is installed side by side (`pip install --no-deps --target`, sharing the venv's torch)
 and examined in a fresh interpreter: the probe (`mtp-overlay check`) reads the installed code, and

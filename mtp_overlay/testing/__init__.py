@@ -1,7 +1,7 @@
 """Test bed: stock megatron-core MTP models on spawned gloo ranks, on a CPU machine (or CUDA).
 
-Not part of the overlay proper: ``import mtp_overlay`` never imports this package, and importing it
-imports neither torch nor megatron (the submodules do that inside their functions).
+Not part of the overlay proper: no product module imports this package (the CLI's ``demo`` and
+``check --run`` reach it inside those commands), and importing it imports neither torch nor megatron.
 
 Usage (``fn`` must be a module-level function, its arguments and return value picklable)::
 
@@ -22,9 +22,11 @@ Usage (``fn`` must be a module-level function, its arguments and return value pi
         sequence_parallel=True, scatter_embedding_sequence_parallel=False))
     assert "Sizes of tensors must match" in results[0].error
 
-* ``run_ranks(fn, world_size, *, tp=1, cp=1, args=(), kwargs=None, fixes=None, timeout=300,
-  seed=1234, device="cpu") -> list[RankResult]`` (rank, value, error). ``fixes``: None keeps what
-  ``import mtp_overlay`` installed, a list installs exactly those fixes, ``[]`` none.
+* ``RankPool(world_size, *, tp=1, cp=1, seed=1234, device="cpu", log=None)``: ranks started once,
+  ``.run(fn, *, args=(), kwargs=None, fixes=None, timeout=300) -> list[RankResult]`` (rank, value,
+  error) as many times as wanted (a failed run restarts the ranks); ``fixes``: None installs what
+  ``import mtp_overlay`` installs, a list exactly those fixes, ``[]`` none; ``log``: a file for the
+  ranks' own output. ``run_ranks(fn, world_size, **options)`` is a pool for one run;
   ``run_ranks_checked`` returns the values or raises ``RanksFailed`` with every rank's traceback.
 * ``build_tiny_gpt(*, seed, sequence_parallel, scatter_embedding_sequence_parallel, mtp_num_layers,
   hidden_size=64, num_attention_heads=4, num_layers=2, vocab_size=128, max_sequence_length=64,
@@ -55,18 +57,27 @@ Usage (``fn`` must be a module-level function, its arguments and return value pi
   ``MegatronStepResult``: lm_loss, logged mtp_losses / mtp_acceptance, mtp_tokens, ``grads``
   ({"mtp", "lm"}: flat TP-gathered numpy arrays, ``relative_error(reference, part)``), grad norms,
   update_norm. ``tiny_gpt.train_step`` is its hand-written imitation; both agree at TP1.
-* ``reproducers.<fix_id>.reproduce() -> (bug_shows, evidence)``: a fix's stock path with the fix off.
+* ``reproducers.reproduce(fix_id) -> (bug_shows, evidence)``: a fix's stock path with the fix off
+  (``reproducers/<fix_id>.py``), for the support matrix, the upstream-tracking tests, ``check --run``.
+* ``demo``: the main job (``mtp-overlay demo``); ``patch_images``: what ``scripts/measure_patches.py``
+  and the tests measure for the patch manifest.
+* ``bridge``: models built through Megatron-Bridge 0.6 providers (``AutoBridge.from_hf_config`` of
+  tiny local Qwen3 / NemotronH configs); importable without Bridge (``bridge_installed()``).
+* vLLM on CPU: ``vllm_serving`` / ``vllm_chat_template`` (an in-process OpenAI server's consumers,
+  and the CLI path's), ``vllm_drafter`` (real MTP drafter modules), ``streams`` (CUDA-stream and
+  communicator stand-ins for the weight-transfer producer).
 * ``cpu_shims``: the CPU stand-ins (HybridStack's TE final norm, TE's CP and THD attention, DDP's
   stream, the schedule's CUDA tensors, Bridge's TE import), installed by the launcher on CPU; test
   scaffolding only, ``cpu_shims()`` context manager or ``install()`` / ``uninstall()``.
 * ``releases``: other upstream releases side by side (``release_site``, ``copy_installed``,
-  ``run_with_release``); ``streams``: CUDA-stream and communicator stand-ins for vLLM's producer;
-  ``remote_code``: a tiny trust_remote_code model and its Ray round trip.
-* pytest: the ``mtp_run_ranks`` fixture is ``run_ranks``; ``@pytest.mark.gpu`` tests are skipped
-  without CUDA (plugin ``mtp_overlay.testing.plugin``, registered as a pytest11 entry point).
+  ``link_installed``, ``run_with_release``, ``record_sha256``); ``remote_code``: a tiny
+  trust_remote_code model and its Ray round trip.
+* pytest, opt-in (``-p mtp_overlay.testing.plugin`` or ``pytest_plugins = [...]`` in a conftest: it
+  imports the overlay): ``mtp_run_ranks`` (``run_ranks``), ``mtp_rank_pools`` (one pool per layout for
+  the session), and ``@pytest.mark.gpu`` tests skipped without CUDA.
 
-Measured on 2 shared cores: 5-6 s per run at TP1, TP2+SP or CP2 and ~13 s at TP2xCP2+SP when idle
-(10-20 s under load); almost all of it is importing torch and megatron-core in each process.
+Measured on 2 shared cores: starting ranks costs 5-6 s at TP1, TP2+SP or CP2 and ~13 s at TP2xCP2+SP
+when idle (10-20 s under load), almost all of it importing torch and megatron-core; a pool pays it once.
 """
 
 # modules `import mtp_overlay` must never pull in (checked by tests and scripts/bench_import.py)

@@ -4,7 +4,7 @@ TEST SCAFFOLDING ONLY: the test bed (``mtp_overlay.testing.launcher``) installs 
 processes; ``import mtp_overlay`` never imports this module, and nothing here is product behaviour.
 Each shim swaps one upstream attribute; ``uninstall()`` puts every original object back.
 
-What needs a shim on a CPU machine (megatron-core 0.19.x, local spec), SPEC §4:
+What needs a shim on a CPU machine (megatron-core 0.19.x, local spec):
 
 * ``torch.cuda.current_device()`` is used as a tensor device all over (RoPE, MTP tracker, CP roll
   buffers, sequence-parallel buffers): it returns the CPU device.

@@ -13,17 +13,25 @@ run failed starts fresh ranks for its next run.
 ``fn`` and its arguments must be picklable (a module-level function), as must its return value.
 """
 
+import atexit
+import collections
 import dataclasses
 import multiprocessing
 import multiprocessing.connection
 import os
 import pickle
 import socket
+import sys
 import time
 import traceback
 
 FAILURE_GRACE_S = 10.0
 DEVICES = ("cpu", "cuda")
+# MTP_OVERLAY_SHARED_RANKS=1: run_ranks reuses one pool per layout and sys.path for the process's
+# life (a test suite's), keeping at most SHARED_POOLS of them started
+SHARED_RANKS = "MTP_OVERLAY_SHARED_RANKS"
+SHARED_POOLS = 3
+_shared = collections.OrderedDict()  # (world_size, tp, cp, seed, device, log, sys.path) -> RankPool
 
 
 @dataclasses.dataclass
@@ -125,10 +133,25 @@ class RankPool:
 
 
 def run_ranks(fn, world_size, *, tp=1, cp=1, args=(), kwargs=None, fixes=None, timeout=300, seed=1234,
-              device="cpu", log=None):
-    """``fn(*args, **kwargs)`` on ``world_size`` fresh ranks (a `RankPool` for one run)."""
-    with RankPool(world_size, tp=tp, cp=cp, seed=seed, device=device, log=log) as pool:
-        return pool.run(fn, args=args, kwargs=kwargs, fixes=fixes, timeout=timeout)
+              device="cpu", log=None, fresh=False):
+    """``fn(*args, **kwargs)`` on ``world_size`` ranks: fresh ones (a `RankPool` for one run), or,
+    with ``MTP_OVERLAY_SHARED_RANKS=1`` and not ``fresh``, the shared pool of this layout and sys.path."""
+    options = dict(args=args, kwargs=kwargs, fixes=fixes, timeout=timeout)
+    if fresh or os.environ.get(SHARED_RANKS) != "1":
+        with RankPool(world_size, tp=tp, cp=cp, seed=seed, device=device, log=log) as pool:
+            return pool.run(fn, **options)
+    key = (world_size, tp, cp, seed, device, log, tuple(sys.path))
+    pool = _shared.pop(key, None) or RankPool(world_size, tp=tp, cp=cp, seed=seed, device=device, log=log)
+    _shared[key] = pool  # the most recently used last
+    while len(_shared) > SHARED_POOLS:
+        _shared.popitem(last=False)[1].close()
+    return pool.run(fn, **options)
+
+
+@atexit.register
+def _close_shared():
+    while _shared:
+        _shared.popitem()[1].close()
 
 
 def run_ranks_checked(fn, world_size, **options):
@@ -276,9 +299,18 @@ class _RankContext:
         import random
 
         import torch
-        from megatron.core import tensor_parallel
+        from megatron.core import parallel_state, tensor_parallel
 
         import mtp_overlay
+
+        layout = (self.setup["tp"], self.setup["cp"])
+        if not parallel_state.model_parallel_is_initialized() or layout != (
+            parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_context_parallel_world_size()
+        ):  # an earlier run changed the layout: back to the pool's
+            parallel_state.destroy_model_parallel()
+            parallel_state.initialize_model_parallel(
+                tensor_model_parallel_size=layout[0], pipeline_model_parallel_size=1, context_parallel_size=layout[1]
+            )
 
         mtp_overlay.uninstall()
         if fixes is None:

@@ -55,6 +55,40 @@ def installed_site(distribution):
     return Path(metadata.distribution(distribution).locate_file(""))
 
 
+def release_copy(distribution, version, destination):
+    """A private copy (in ``destination``) of ``distribution==version``: the venv's install when that
+    is the version, else the side-by-side release (`release_site`)."""
+    from importlib import metadata
+
+    site = None if metadata.version(distribution) == version else release_site(distribution, version)
+    return copy_installed(distribution, destination, site=site)
+
+
+def run_json(site, code, env=None, timeout=600):
+    """`run_with_release` of ``code``, which prints a JSON line last: that line, parsed (AssertionError
+    with the child's stderr when it fails)."""
+    import json
+
+    result = run_with_release(site, code, env=env, timeout=timeout)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def edited_module(module, *edits):
+    """A copy of an installed upstream ``module`` built from its own source with ``(old, new)`` edits,
+    not put in sys.modules: the release as upstream might change it."""
+    import types
+
+    source = Path(module.__file__).read_text()
+    for old, new in edits:
+        assert source.count(old) == 1, old
+        source = source.replace(old, new)
+    copy = types.ModuleType(module.__name__)
+    copy.__file__ = module.__file__
+    exec(compile(source, module.__file__, "exec"), copy.__dict__)
+    return copy
+
+
 def record_sha256(distribution, site):
     """{file: sha256} from the RECORD of ``distribution`` in folder ``site``: the hashes its wheel ships."""
     import base64

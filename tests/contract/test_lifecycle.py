@@ -17,7 +17,6 @@ import pytest
 import wrapt
 import wrapt.importer
 
-import mtp_overlay
 from mtp_overlay import OverlayError, OverlayWarning, State, hooks, registry
 from mtp_overlay.contract import Fix, Provenance, drifted, needed
 from mtp_overlay.lifecycle import Lifecycle

@@ -1,4 +1,4 @@
-"""Properties of the MTP mask library (issue #4): packing, CP sharding, mask build, bad input.
+"""Properties of the MTP mask library: packing, CP sharding, mask build, bad input.
 
 The CP layout is compared with megatron-core's own ``get_batch_on_this_cp_rank`` (0.19.2), run on
 torch's in-process "fake" process group so any (cp_size, cp_rank) can be asked for without
@@ -401,7 +401,7 @@ def test_pad_token_id_fills_the_padding_and_must_fit_the_dtype(dtype, data):
     assert packed.input_ids.tolist() == [[1, pad, pad, pad, 1, 1, 1, pad]]
     too_large = data.draw(st.integers(largest + 1, 2 * largest + 2))
     for bad in (too_large, -data.draw(st.integers(1, largest))):
-        with pytest.raises(ValueError, match=f"pad_token_id must "):
+        with pytest.raises(ValueError, match="pad_token_id must "):
             mtp.pack_sequences(input_ids, torch.tensor([1, 3]), pad_token_id=bad)
     for bad in (1.0, True, None, torch.tensor(0)):
         with pytest.raises(TypeError, match=f"pad_token_id must be an int >= 0, got {type(bad).__name__}"):

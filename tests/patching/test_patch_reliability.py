@@ -11,19 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_patching import (  # noqa: F401  (test_fixes, site_0_19: fixtures)
-    MODULE,
-    SECOND,
-    leftovers,
-    measured,
-    only,
-    patch,
-    sha,
-    site_0_19,
-    site_copy,
-    test_fixes,
-    tree,
-)
+from test_patching import MODULE, SECOND, leftovers, measured, only, patch, sha, site_copy, tree
 
 from mtp_overlay.patching import transaction
 

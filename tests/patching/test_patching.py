@@ -5,7 +5,6 @@ from their wheels): the `megatron` package and its dist-info in a temporary site
 compared by the sha256 of every file.
 """
 
-import difflib
 import hashlib
 import json
 import os
@@ -20,8 +19,7 @@ import pytest
 
 from mtp_overlay import registry
 from mtp_overlay.cli import main
-from mtp_overlay.contract import Fix, distribution_version
-from mtp_overlay.lifecycle import Lifecycle
+from mtp_overlay.contract import distribution_version
 from mtp_overlay.patching import engine, transaction
 from mtp_overlay.patching.manifest import DEFAULT_PATH, load, state_key
 from mtp_overlay.patching.survey import sha256
@@ -330,53 +328,6 @@ def test_unmeasured_release_in_range_that_already_scatters_is_redundant(tmp_path
 
 
 # --- test-only patches: several files, several fixes, all-or-nothing ------------------------------
-class CommentFix(Fix):
-    """A test-only fix whose 0.19 patch inserts a comment line into each of its files."""
-
-    summary = "test-only"
-
-    distribution = "megatron-core"
-    families = {"0.19": ">=0.19,<0.20"}
-
-    def __init__(self, name):
-        self.name = name
-
-
-@pytest.fixture
-def test_fixes(site_0_19, tmp_path, monkeypatch):
-    """``make(name -> files)``: registered test-only fixes and a manifest measured for them; returns
-    the manifest path (the CLI's ``--manifest``) and the fixes."""
-
-    def make(files_of):
-        folder = tmp_path / "test-manifest"
-        fixes = []
-        for index, (name, files) in enumerate(files_of.items()):
-            diff, at = [], 3 + 40 * index  # hunks of fixes sharing a file never overlap
-            for file in files:
-                old = (site_0_19 / file).read_text().splitlines(keepends=True)
-                new = old[:at] + [f"# {name} test patch\n"] + old[at:]
-                diff += difflib.unified_diff(old, new, fromfile=f"a/{file}", tofile=f"b/{file}")
-            patch_file = folder / name / "megatron-core" / "0.19.patch"
-            patch_file.parent.mkdir(parents=True)
-            patch_file.write_text("Description: test-only patch\n---\n" + "".join(diff))
-            fix = CommentFix(name)
-            monkeypatch.setattr(registry, "FIXES", registry.FIXES + [(name, ())])
-            monkeypatch.setitem(registry._lifecycles, name, Lifecycle(name, (), fix))
-            fixes.append(fix)
-        patches = patches_for(fixes, "megatron-core", "0.19.2", folder)
-        released = {file: (site_0_19 / file).read_bytes() for files in files_of.values() for file in files}
-        images = {"megatron-core": {"0.19.2": measure(patches, released)}}
-        (folder / "manifest.json").write_text(json.dumps({"format": 2, **images}))
-        return folder / "manifest.json", fixes
-
-    return make
-
-
-@pytest.fixture
-def site_0_19(tmp_path):
-    return site_copy("0.19.2", tmp_path)
-
-
 def only(fixes):
     return [option for fix in fixes for option in ("--only", fix.name)]
 

@@ -158,7 +158,7 @@ def test_crashed_rank_does_not_hang_the_others():
 
 
 def test_timeout_kills_the_ranks():
-    results = run_ranks(fail_on_rank, 1, args=(-1, "raise"), timeout=0.5)  # startup alone takes longer
+    results = run_ranks(fail_on_rank, 1, args=(-1, "raise"), timeout=0.5, fresh=True)  # startup alone takes longer
     assert results == [RankResult(0, error="rank 0 was killed after the 0.5 s timeout: it never returned")]
 
 

@@ -161,7 +161,7 @@ def one_by_one_path(module):
 
 
 def _bind(function, args, kwargs):
-    import inspect  # not at import time: `import mtp_overlay` stays cheap (issue #2)
+    import inspect
 
     return inspect.signature(function).bind(*args, **kwargs)
 

@@ -63,8 +63,6 @@ class VllmChatTemplateFix(Fix):
         return list(CONSUMERS)[self.targets.index(module.__name__)]
 
     def probe(self, module):
-        import inspect
-
         from .resolve import LOADER_MODULES, vllm_loader
 
         found = consumer(module, self.consumer_of(module))

@@ -1,4 +1,4 @@
-"""device-normalized-broadcast on the installed vLLM 0.33.0 weight-transfer producer (issue #6).
+"""device-normalized-broadcast on the installed vLLM 0.33.0 weight-transfer producer.
 
 Every proof runs vLLM's own ``pack_tensors``, ``packed_nccl_broadcast_producer`` / consumer and
 ``NCCLTrainerWeightTransferEngine._broadcast``. On this CPU machine the communicator's device is
@@ -12,7 +12,6 @@ import multiprocessing
 import subprocess
 import sys
 import types
-from pathlib import Path
 from unittest import mock
 
 import pytest
@@ -25,7 +24,7 @@ from mtp_overlay.contract import State
 from mtp_overlay.fixes.device_normalized_broadcast import FIX, to_device_stream
 from mtp_overlay.lifecycle import Lifecycle
 from mtp_overlay.testing.launcher import _free_port
-from mtp_overlay.testing.releases import release_site, run_with_release
+from mtp_overlay.testing.releases import edited_module, release_site, run_with_release
 from mtp_overlay.testing.reproducers import reproduce
 from mtp_overlay.testing.streams import RecordingCommunicator, host_streams
 from vllm.distributed.weight_transfer import base, nccl_engine, packed_tensor
@@ -387,13 +386,7 @@ def test_to_device_stream_names_the_bad_item(pair):
 
 
 def edited(module, old, new):
-    """A copy of a real vLLM module built from its own source with one edit (a drifted or fixed release)."""
-    source = Path(module.__file__).read_text()
-    assert old in source
-    copy = types.ModuleType(module.__name__)
-    copy.__file__ = module.__file__
-    exec(compile(source.replace(old, new), module.__file__, "exec"), copy.__dict__)
-    return copy
+    return edited_module(module, (old, new))
 
 
 def test_probe_finds_stock_vllm_needs_the_fix():

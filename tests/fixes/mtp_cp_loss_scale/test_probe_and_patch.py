@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from mtp_overlay.patching import engine
-from mtp_overlay.testing.releases import copy_installed, release_site, run_with_release
+from mtp_overlay.testing.releases import release_copy, run_json, run_with_release
 
 FIX = "mtp-cp-loss-scale"
 ROOT = Path(__file__).resolve().parents[3]
@@ -49,15 +49,11 @@ def environment(**extra):
 
 
 def report(site, **env):
-    result = run_with_release(site, REPORT, env=environment(**env))
-    assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return run_json(site, REPORT, env=environment(**env))
 
 
 def site_of(version, tmp_path):
-    if version == "0.19.2":
-        return copy_installed("megatron-core", tmp_path / "site")
-    return copy_installed("megatron-core", tmp_path / "site", site=release_site("megatron-core", version))
+    return release_copy("megatron-core", version, tmp_path / "site")
 
 
 def edit_source(site, old, new):

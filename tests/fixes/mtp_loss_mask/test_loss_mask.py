@@ -1,4 +1,4 @@
-"""mtp-loss-mask on real megatron-core 0.19.2: the MTP head trains only on masked positions (issue #4).
+"""mtp-loss-mask on real megatron-core 0.19.2: the MTP head trains only on masked positions.
 
 RL trainers call GPTModel.forward with labels=None; megatron-core 0.19 then derives the MTP labels
 from input_ids and, without a loss_mask, trains the MTP head on every position: prompts, padding and

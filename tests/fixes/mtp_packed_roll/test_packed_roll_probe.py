@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from mtp_overlay.testing.releases import copy_installed, release_site, run_with_release
+from mtp_overlay.testing.releases import release_copy, run_json, run_with_release
 
 REPO = Path(__file__).resolve().parents[3]
 PATCHES = REPO / "patches" / "mtp-packed-roll" / "megatron-core"
@@ -40,15 +40,11 @@ print(json.dumps(out))
 
 
 def report(site, **env):
-    result = run_with_release(site, REPORT, env={**os.environ, **env})
-    assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return run_json(site, REPORT, env={**os.environ, **env})
 
 
 def site_of(version, tmp_path):
-    if version == "0.19.2":
-        return copy_installed("megatron-core", tmp_path / "site")
-    return copy_installed("megatron-core", tmp_path / "site", site=release_site("megatron-core", version))
+    return release_copy("megatron-core", version, tmp_path / "site")
 
 
 def apply_patch(site, patch):

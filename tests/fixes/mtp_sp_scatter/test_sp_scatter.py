@@ -1,4 +1,4 @@
-"""mtp-sp-scatter on real megatron-core: the crash without the fix, TP1 parity with it (issue #3).
+"""mtp-sp-scatter on real megatron-core: the crash without the fix, TP1 parity with it.
 
 A plain GPTModel built with ``scatter_embedding_sequence_parallel=False`` scatters its decoder input
 in its own forward (megatron-core 0.19, PR #5628) but its MTP layer never does: under TP2 with

@@ -1,4 +1,4 @@
-"""mtp-sp-scatter's probe on real megatron-core releases: needed, redundant, drifted (issue #3).
+"""mtp-sp-scatter's probe on real megatron-core releases: needed, redundant, drifted.
 
 Each case imports a real megatron-core (the venv's 0.19.2, a side-by-side release, or a copy of one
 that the test patched or broke) in a fresh interpreter with the overlay on.
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from mtp_overlay.testing.releases import copy_installed, release_site, run_with_release
+from mtp_overlay.testing.releases import release_copy, run_json, run_with_release
 
 PATCHES = Path(__file__).resolve().parents[3] / "patches" / "mtp-sp-scatter" / "megatron-core"
 MODULE = "megatron/core/transformer/multi_token_prediction.py"
@@ -29,15 +29,11 @@ print(json.dumps({"state": row.state, "reason": row.reason, "version": row.versi
 
 
 def report(site, **env):
-    result = run_with_release(site, REPORT, env={**os.environ, **env})
-    assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return run_json(site, REPORT, env={**os.environ, **env})
 
 
 def site_of(version, tmp_path):
-    if version == "0.19.2":
-        return copy_installed("megatron-core", tmp_path / "site")
-    return copy_installed("megatron-core", tmp_path / "site", site=release_site("megatron-core", version))
+    return release_copy("megatron-core", version, tmp_path / "site")
 
 
 def apply_patch(site, patch):

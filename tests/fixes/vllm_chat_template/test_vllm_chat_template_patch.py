@@ -8,7 +8,6 @@ reads the installed classes and copies of their modules edited the way upstream 
 import hashlib
 import json
 import re
-import types
 from pathlib import Path
 
 import pytest
@@ -18,7 +17,7 @@ from mtp_overlay.cli import main
 from mtp_overlay.fixes.vllm_chat_template import CONSUMERS, FIX
 from mtp_overlay.patching.manifest import DEFAULT_PATH, load, touched_files
 from mtp_overlay.patching.survey import marker_on_disk
-from mtp_overlay.testing.releases import release_site
+from mtp_overlay.testing.releases import edited_module
 from mtp_overlay.testing.reproducers import reproduce
 
 NAME = "vllm-chat-template"
@@ -86,19 +85,11 @@ def test_stock_release_needs_the_fix_on_every_consumer():
         assert f"{module}: {class_name}.__init__ stores chat_template as given" in row.reason
 
 
-def edited_module(name, *edits):
-    """The installed upstream module ``name`` with ``(old, new)`` edits, as a module object (not put in
-    sys.modules): the release as upstream might change it."""
+def edited(name, *edits):
+    """The installed upstream module ``name`` with ``(old, new)`` edits (not put in sys.modules)."""
     import importlib
 
-    source = Path(importlib.import_module(name).__file__).read_text()
-    for old, new in edits:
-        assert source.count(old) == 1, old
-        source = source.replace(old, new)
-    module = types.ModuleType(name)
-    module.__file__ = f"<{name} edited>"
-    exec(compile(source, module.__file__, "exec"), module.__dict__)
-    return module
+    return edited_module(importlib.import_module(name), *edits)
 
 
 IMPORT_LOADER = (
@@ -112,9 +103,9 @@ LOAD_IN_CLASS = (  # upstream resolving the path in the class itself
 
 
 def test_probe_redundant_when_upstream_loads_the_template_in_the_class():
-    module = edited_module("vllm.renderers.online_renderer", IMPORT_LOADER)
+    module = edited("vllm.renderers.online_renderer", IMPORT_LOADER)
     assert FIX.probe(module).state == "needed"  # importing the loader changes nothing
-    verdict = FIX.probe(edited_module("vllm.renderers.online_renderer", IMPORT_LOADER, LOAD_IN_CLASS))
+    verdict = FIX.probe(edited("vllm.renderers.online_renderer", IMPORT_LOADER, LOAD_IN_CLASS))
     assert verdict.state == "redundant" and "OnlineRenderer.__init__ already calls load_chat_template" in verdict.reason
 
 
@@ -127,7 +118,7 @@ def test_probe_redundant_when_upstream_loads_the_template_in_the_class():
      "has no class OnlineDerenderer"),
 ])
 def test_probe_drifted_when_a_constructor_changes_shape(name, old, new, reason):
-    verdict = FIX.probe(edited_module(name, (old, new)))
+    verdict = FIX.probe(edited(name, (old, new)))
     assert verdict.state == "drifted" and reason in verdict.reason, verdict
 
 

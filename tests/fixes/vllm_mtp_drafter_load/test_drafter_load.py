@@ -1,4 +1,4 @@
-"""vllm-mtp-drafter-load on vLLM 0.33.0's real MTP drafters, built on CPU (issue #16).
+"""vllm-mtp-drafter-load on vLLM 0.33.0's real MTP drafters, built on CPU.
 
 ``NemotronHMTP`` (reads ``mtp.*``) and ``DeepSeekMTP`` (reads positional ``model.layers.<2>.``) are
 made by vLLM's own ``initialize_model`` from tiny configs; their ``load_weights`` and weight loaders
@@ -10,12 +10,12 @@ vLLM's weight-transfer engines run every refit: its per-call layer check would f
 import contextlib
 import types
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
 
 import mtp_overlay
+from mtp_overlay.testing.releases import edited_module
 from mtp_overlay import OverlayError, OverlayWarning
 from mtp_overlay.fixes.vllm_mtp_drafter_load import FIX, counted, discard_refit, drafter_refit, last_refit_report
 from mtp_overlay.testing.streams import RecordingCommunicator, ReplayCommunicator, host_streams
@@ -264,13 +264,7 @@ def test_vllm_engine_refit_is_reported_at_finish_weight_update(drafters, overlay
 
 
 def edited(module, old, new):
-    """A copy of a real vLLM module built from its own source with one edit (a drifted or fixed release)."""
-    source = Path(module.__file__).read_text()
-    assert old in source
-    copy = types.ModuleType(module.__name__)
-    copy.__file__ = module.__file__
-    exec(compile(source.replace(old, new), module.__file__, "exec"), copy.__dict__)
-    return copy
+    return edited_module(module, (old, new))
 
 
 def test_probe_install_and_uninstall_on_the_installed_vllm(drafters, overlay):

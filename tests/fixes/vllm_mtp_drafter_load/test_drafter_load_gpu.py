@@ -1,4 +1,4 @@
-"""End to end on a GPU: speculative decoding with a tiny Nemotron-H MTP model through vLLM's LLM API (issue #16).
+"""End to end on a GPU: speculative decoding with a tiny Nemotron-H MTP model through vLLM's LLM API.
 
 Written for a CUDA machine with vLLM installed; skipped elsewhere (not run yet: no GPU was lent).
 A random tiny Nemotron-H (attention and MLP blocks only, so no Mamba kernel constraints) with one MTP

@@ -1,4 +1,4 @@
-"""The refit fingerprint's checksum: what it tells apart and what it guarantees across devices (issue #16)."""
+"""The refit fingerprint's checksum: what it tells apart and what it guarantees across devices."""
 
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""Rollout-side MTP metrics from vLLM's real ``SpecDecodingStats`` (issue #16).
+"""Rollout-side MTP metrics from vLLM's real ``SpecDecodingStats``.
 
 Each worker's stats are built the way vLLM's scheduler builds them: ``SpecDecodingStats.new(k)``
 then one ``observe_draft(num_draft_tokens, num_accepted_tokens)`` per request per step.

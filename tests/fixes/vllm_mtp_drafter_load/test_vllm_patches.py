@@ -1,4 +1,4 @@
-"""Source patches for vLLM 0.33.0 and 0.25.1: vllm-mtp-drafter-load and device-normalized-broadcast (issue #16).
+"""Source patches for vLLM 0.33.0 and 0.25.1: vllm-mtp-drafter-load and device-normalized-broadcast.
 
 For container images whose processes never ``import mtp_overlay``. Every case patches a private copy
 of a real install (the venv's vLLM 0.33.0, the side-by-side 0.25.1): its files hard-linked into a
