@@ -1,7 +1,8 @@
-"""The main job on an embedded default: a tiny stock-megatron-core GPT with one MTP layer trained for
-one step on 2 gloo ranks (TP2 + sequence parallel), with each fix off and on.
+"""The main job on an embedded default: tiny stock-megatron-core MTP models trained on gloo ranks, each
+fix off and on: a GPTModel at TP2 + sequence parallel, an RL forward with a response-only mask, and a
+HybridModel on a packed (THD) batch with real sequence lengths under context parallelism.
 
-Run with `scripts/demo.sh` or `mtp-overlay demo`. The model, its MTP layer and the losses are
+Run with `scripts/demo.sh` or `mtp-overlay demo`. The models, their MTP layers and the losses are
 megatron-core's own; CPU shims stand in for CUDA. What the ranks print (torch's and megatron-core's
 warnings) goes to a log file, named at the end, so the results read in one piece.
 """
@@ -11,12 +12,13 @@ import tempfile
 
 from mtp_overlay import registry
 
-from .launcher import run_ranks, run_ranks_checked
+from .launcher import RankPool
 from .reproducers.mtp_loss_mask import scoped_mask_mtp_positions
 
-SP_SCATTER = "mtp-sp-scatter"
-LOSS_MASK = "mtp-loss-mask"
+SP_SCATTER, LOSS_MASK, PACKED_ROLL = "mtp-sp-scatter", "mtp-loss-mask", "mtp-packed-roll"
 NOT_SCATTERING = dict(sequence_parallel=True, scatter_embedding_sequence_parallel=False)
+# four sequences of a packed RL batch, their prompt lengths, each padded to a multiple of 2*CP = 4
+LENGTHS, PROMPTS, PAD_MULTIPLE = (9, 12, 6, 4), (2, 0, 3, 1), 4
 
 
 def train(**model_kwargs):
@@ -24,6 +26,24 @@ def train(**model_kwargs):
     from .tiny_gpt import build_tiny_gpt, make_batch, train_step
 
     return train_step(build_tiny_gpt(**model_kwargs), make_batch())
+
+
+def packed_rl_step():
+    """One rank's RL step (labels=None) of the tiny HybridModel on the packed batch, laid out on the
+    padded boundaries with the real ones in cu_seqlens_q (NeMo-RL's self-slicing path); the MTP
+    targets it trained, in sequence numbering, and the mean MTP loss over them."""
+    from .packed import make_packed_row, run_packed, run_reference
+    from .tiny_hybrid import build_tiny_hybrid
+
+    model = build_tiny_hybrid()
+    if model.config.context_parallel_size == 1:  # the reference: each sequence alone, unpadded
+        row = make_packed_row(LENGTHS, prompts=PROMPTS)
+        result, real = run_reference(model, row, labels=False).portable(), None
+    else:
+        row = make_packed_row(LENGTHS, pad_multiple=PAD_MULTIPLE, flavour="unpadded", prompts=PROMPTS)
+        result, real = run_packed(model, row, labels=False).portable(), row.real_slots().numpy()
+    losses = result.mtp[0]["losses"][result.mtp[0]["trained"]]
+    return result.trained(real), float(losses.mean())
 
 
 def _losses(step):
@@ -36,7 +56,7 @@ def _last_line(error):
 
 
 def main(out=print, log=None):
-    """Print the status and the steps; return 0 when every fixed run matches TP1.
+    """Print the status and the steps; return 0 when every fixed run matches its reference.
 
     ``log``: where the ranks' own output goes (default: a fresh file under the temp folder).
     """
@@ -47,25 +67,35 @@ def main(out=print, log=None):
     for row in registry.status():
         out(f"   {row.name:<28} {row.state:<10} {row.distribution} {row.version or '-'}")
     ok = True
+    with RankPool(1, log=log) as tp1, RankPool(2, tp=2, log=log) as tp2, RankPool(2, cp=2, log=log) as cp2:
+        out("\n== reference: TP1, no fix")
+        reference = tp1.run_checked(train, fixes=[])[0]
+        out(f"   {_losses(reference)}")
 
-    out("\n== reference: TP1, no fix")
-    reference = run_ranks_checked(train, 1, fixes=[], log=log)[0]
-    out(f"   {_losses(reference)}")
+        out("\n== mtp-sp-scatter: TP2 + sequence parallel, GPTModel(scatter_embedding_sequence_parallel=False)")
+        stock = tp2.run(train, kwargs=NOT_SCATTERING, fixes=[])
+        failed = [r for r in stock if r.error]
+        out(f"   fix off: {'CRASH: ' + _last_line(failed[0].error) if failed else _losses(stock[0].value)}")
+        fixed = tp2.run_checked(train, kwargs=NOT_SCATTERING, fixes=[SP_SCATTER])[0]
+        match = abs(fixed.lm_loss - reference.lm_loss) < 1e-4 and abs(fixed.mtp_loss - reference.mtp_loss) < 1e-4
+        ok &= match and bool(failed)
+        out(f"   fix on:  {_losses(fixed)}  ({'matches TP1' if match else 'DIFFERS from TP1'})")
 
-    out("\n== mtp-sp-scatter: TP2 + sequence parallel, GPTModel(scatter_embedding_sequence_parallel=False)")
-    stock = run_ranks(train, 2, tp=2, kwargs=NOT_SCATTERING, fixes=[], log=log)
-    failed = [r for r in stock if r.error]
-    out(f"   fix off: {'CRASH: ' + _last_line(failed[0].error) if failed else _losses(stock[0].value)}")
-    fixed = run_ranks_checked(train, 2, tp=2, kwargs=NOT_SCATTERING, fixes=[SP_SCATTER], log=log)[0]
-    match = abs(fixed.lm_loss - reference.lm_loss) < 1e-4 and abs(fixed.mtp_loss - reference.mtp_loss) < 1e-4
-    ok &= match and bool(failed)
-    out(f"   fix on:  {_losses(fixed)}  ({'matches TP1' if match else 'DIFFERS from TP1'})")
+        out("\n== mtp-loss-mask: RL forward (labels=None), trainer scopes a response-only mask of kept samples")
+        for label, fixes in (("fix off", []), ("fix on ", [LOSS_MASK])):
+            trained, allowed = tp1.run_checked(scoped_mask_mtp_positions, fixes=fixes)[0]
+            ok &= (trained == allowed) == bool(fixes)
+            verdict = "only the response tokens" if trained == allowed else "prompts and the filtered sample too"
+            out(f"   {label}: MTP head trained on {trained:.0f} positions, mask allows {allowed:.0f} ({verdict})")
 
-    out("\n== mtp-loss-mask: RL forward (labels=None), trainer scopes a response-only mask of kept samples")
-    for label, fixes in (("fix off", []), ("fix on ", [LOSS_MASK])):
-        trained, allowed = run_ranks_checked(scoped_mask_mtp_positions, 1, fixes=fixes, log=log)[0]
-        ok &= (trained == allowed) == bool(fixes)
-        verdict = "only the response tokens" if trained == allowed else "prompts and the filtered sample too"
-        out(f"   {label}: MTP head trained on {trained:.0f} positions, mask allows {allowed:.0f} ({verdict})")
+        out("\n== mtp-packed-roll: HybridModel, packed THD (real lengths in cu_seqlens_q), CP2, RL")
+        expected, expected_loss = tp1.run_checked(packed_rl_step, fixes=[])[0]
+        out(f"   each sequence alone: MTP loss {expected_loss:.5f} on {len(expected)} targets")
+        for label, fixes in (("fix off", []), ("fix on ", [PACKED_ROLL])):
+            trained, loss = cp2.run_checked(packed_rl_step, fixes=fixes)[0]
+            wrong = len(trained ^ expected)
+            ok &= (wrong == 0) == bool(fixes)
+            verdict = "all right" if wrong == 0 else f"{wrong} (position, target) pairs wrong or missed"
+            out(f"   {label}: MTP loss {loss:.5f} on {len(trained)} targets ({verdict})")
     out(f"\n(the ranks' own output: {log})")
     return 0 if ok else 1

@@ -282,6 +282,15 @@ class PackedResult:
         travels through torch's shared-memory reduction, which dies with the sending rank)."""
         return _portable(self)
 
+    def trained(self, real=None, depth=0):
+        """{(slot, target)} MTP depth ``depth`` trained; with ``real`` (a [T] bool of the real slots)
+        only those, numbered in sequence space as the unpadded reference numbers them."""
+        import numpy as np
+
+        mask, targets = np.asarray(self.mtp[depth]["trained"]), np.asarray(self.mtp[depth]["targets"])
+        slots = np.nonzero(np.asarray(real))[0] if real is not None else np.arange(len(mask))
+        return {(index, int(targets[slot])) for index, slot in enumerate(slots) if mask[slot]}
+
 
 def _portable(value):
     if isinstance(value, torch.Tensor):

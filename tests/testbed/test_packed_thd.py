@@ -37,11 +37,7 @@ def grad_delta(result, reference):
 
 
 def trained(result, real=None, depth=0):
-    """{(slot, target)} the MTP depth trained; slots of the real tokens only when
-    ``real`` is given (numbered in sequence space, as the unpadded reference numbers them)."""
-    mask, targets = result.mtp[depth]["trained"], result.mtp[depth]["targets"]
-    slots = np.nonzero(real)[0] if real is not None else np.arange(len(mask))
-    return {(index, int(targets[slot])) for index, slot in enumerate(slots) if mask[slot]}
+    return result.trained(real, depth)
 
 
 def mtp_mean_loss(result, depth=0):
