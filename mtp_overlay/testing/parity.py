@@ -19,6 +19,7 @@ rows each sequence alone, unpacked, at TP1 (``PackedRow.reference_microbatch``),
 step.
 """
 
+import contextlib
 import dataclasses
 
 from .megatron_step import relative_error
@@ -127,12 +128,36 @@ def build(model, *, sequence_parallel=False, seed=1234):
     if model in BRIDGE_MODELS:
         from .bridge import build_bridge_model
 
-        built = build_bridge_model(model.split()[1].rstrip(","), seed=seed, sequence_parallel=sequence_parallel,
-                                   **scatter)
+        with _own_attention_backend():
+            built = build_bridge_model(model.split()[1].rstrip(","), seed=seed, sequence_parallel=sequence_parallel,
+                                       **scatter)
         built.config.calculate_per_token_loss = True  # read at DDP's construction and in every step
         return built
     builder = build_tiny_gpt if model == "gpt" else build_tiny_hybrid
     return builder(seed=seed, sequence_parallel=sequence_parallel, calculate_per_token_loss=True, **scatter)
+
+
+@contextlib.contextmanager
+def _own_attention_backend():
+    """Build a model whose attention backend differs from the tiny models' in the same process.
+
+    megatron-core records a model's attention backend in the process-wide NVTE_* variables and refuses
+    a later model with another one (``LanguageModule._set_attention_backend``); Bridge's CPU build
+    uses ``AttnBackend.local``, the tiny models ``auto``. The variables are put back after the build.
+    """
+    import os
+
+    saved = {name: os.environ.pop(name, None) for name in NVTE_BACKEND_VARIABLES}
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            os.environ.pop(name, None)
+            if value is not None:
+                os.environ[name] = value
+
+
+NVTE_BACKEND_VARIABLES = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")
 
 
 def run_cases(cases):
@@ -179,12 +204,12 @@ def run_layout(parallelism, cases, *, timeout=900, log=None):
 
 
 def table_cases(parallelism, models):
-    """The parity table's cases for one parallelism: every model and layout, stock and overlay
-    (scatter=False models only under sequence parallelism, where the setting matters)."""
+    """The parity table's cases for one parallelism: every model and layout, stock and overlay (the
+    scatter=False tiny HybridModel only under sequence parallelism: elsewhere it is its twin)."""
     spec, fixes = PARALLELISMS[parallelism], megatron_core_fixes()
     cases = []
     for model in models:
-        if model in NOT_SCATTERING and not spec["sp"]:
+        if model in NOT_SCATTERING and model not in BRIDGE_MODELS and not spec["sp"]:
             continue
         for layout in LAYOUTS:
             for variant in ((), fixes):
@@ -308,11 +333,14 @@ def parity_table(models=None, parallelisms=tuple(PARALLELISMS), log=None):
     """Run the TP1 reference pool and one pool per parallelism; ``{(model, layout, parallelism): row}``
     in table order, each row a dict of Outcomes: ``reference``, ``stock``, ``overlay``."""
     models = tuple(models or (model for model in MODELS if model not in BRIDGE_MODELS))
-    references = {(o.case.model, o.case.layout): o for o in run_layout("TP1", reference_cases(models), log=log)}
-    outcomes = []
+    first = reference_cases(models)
+    results = run_layout("TP1", first + (table_cases("TP1", models) if "TP1" in parallelisms else []), log=log)
+    references = {(o.case.model, o.case.layout): o for o in results[: len(first)]}
+    outcomes = [("TP1", outcome) for outcome in results[len(first):]]
     for parallelism in parallelisms:
-        results = run_layout(parallelism, table_cases(parallelism, models), log=log)
-        outcomes += [(parallelism, outcome) for outcome in results]
+        if parallelism != "TP1":
+            results = run_layout(parallelism, table_cases(parallelism, models), log=log)
+            outcomes += [(parallelism, outcome) for outcome in results]
     rows = {}
     for parallelism, outcome in outcomes:
         case = outcome.case
