@@ -310,13 +310,16 @@ def run_composition(parallelisms=("TP1", "CP2", "TP2xCP2+SP"), log=None):
 
 def composition_markdown(references, outcomes):
     """One row per composition case, one column per parallelism: the MTP-block and rest-of-model
-    gradient relerr against the reference, or the refusal / crash."""
+    gradient relerr against the reference, or the refusal / crash (n/a: the scatter=False model
+    runs under sequence parallelism only)."""
     parallelisms = list(outcomes)
     cells = {}
     for parallelism, results in outcomes.items():
         for outcome in results:
             name = composition_name(outcome.case)
-            if outcome.error is not None:
+            if outcome.error is not None and "mtp-packed-roll" in outcome.error:
+                cell = "refused (mtp-loss-mask: needs mtp-packed-roll)"
+            elif outcome.error is not None:
                 cell = _error(outcome.error, 40)
             else:
                 *_, mtp, rest = outcome.compare(references[outcome.case.loss])
@@ -325,7 +328,7 @@ def composition_markdown(references, outcomes):
     lines = ["| case (HybridModel, THD unpadded, RL) | " + " | ".join(parallelisms) + " |",
              "|" + " --- |" * (len(parallelisms) + 1)]
     for name, row in cells.items():
-        lines.append(f"| {name} | " + " | ".join(row.get(p, "") for p in parallelisms) + " |")
+        lines.append(f"| {name} | " + " | ".join(row.get(p, "n/a") for p in parallelisms) + " |")
     return "\n".join(lines)
 
 
