@@ -224,13 +224,13 @@ class MegatronStep:
 
         lm_totals = torch.stack([report["lm loss"].double() for report in reports]).sum(0)
         torch.distributed.all_reduce(lm_totals, group=dp_cp_group)
-        mtp = logged_mtp_metrics(len(prepared), dp_cp_group)
+        metrics = logged_mtp_metrics(len(prepared), dp_cp_group)
         grads = _finalized_grads(language_model)
         update_norm = None
         if update:
             update_norm = self._optimizer_step()
         return MegatronStepResult(
-            lm_loss=(lm_totals[0] / lm_totals[1].clamp(min=1)).item(), update_norm=update_norm, **mtp, **grads
+            lm_loss=(lm_totals[0] / lm_totals[1].clamp(min=1)).item(), update_norm=update_norm, **metrics, **grads
         )
 
     def _optimizer_step(self):

@@ -40,6 +40,7 @@ PARALLELISMS = {
     "TP2+SP": dict(world_size=2, tp=2, cp=1, sp=True, pad_multiple=2),
     "TP2xCP2+SP": dict(world_size=4, tp=2, cp=2, sp=True, pad_multiple=8),
 }
+NVTE_BACKEND_VARIABLES = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")
 LOSSES = {  # MegatronStep.step arguments of the per-token loss modes
     "3-output": dict(loss="3-output"),
     "nemo-rl": dict(loss="nemo-rl", mtp_grad_scale="global-valid-tokens"),
@@ -157,9 +158,6 @@ def _own_attention_backend():
                 os.environ[name] = value
 
 
-NVTE_BACKEND_VARIABLES = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")
-
-
 def run_cases(cases):
     """Rank worker: every case in order; on global rank 0 a list of Outcomes (None elsewhere).
 
@@ -179,7 +177,7 @@ def run_cases(cases):
     for case in cases:
         key = (case.model, case.sequence_parallel, case.wrapper)
         if key not in steps:
-            mtp_overlay.uninstall()
+            mtp_overlay.uninstall()  # every model is built by stock megatron-core
             model = build(case.model, sequence_parallel=case.sequence_parallel)
             steps[key] = MegatronStep(SelfSlicingCP(model) if case.wrapper else model, optimizer=None)
         mtp_overlay.uninstall()
