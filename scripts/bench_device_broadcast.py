@@ -20,7 +20,7 @@ from unittest import mock
 import torch
 
 import mtp_overlay  # installs the fix, to be found on vLLM's producer below
-from mtp_overlay.fixes.device_broadcast import normalizing_producer
+from mtp_overlay.fixes.device_normalized_broadcast import normalizing_producer
 from mtp_overlay.testing.streams import HostCommunicator, host_streams
 from vllm.distributed.weight_transfer import packed_tensor
 

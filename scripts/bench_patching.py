@@ -16,6 +16,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from mtp_overlay import registry
+from mtp_overlay.contract import State
 from mtp_overlay.patching import engine
 from mtp_overlay.patching.locate import find_distribution
 from mtp_overlay.patching.manifest import load
@@ -37,12 +39,12 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=5, help="runs per measurement; the median is printed")
     repeat = parser.parse_args().repeat
-    fixes = load().select(["mtp-sp-scatter"])
+    fixes, manifest = [registry.get("mtp-sp-scatter")], load()
     with tempfile.TemporaryDirectory(prefix="bench-patching-") as scratch:
         site = copy_installed("megatron-core", Path(scratch) / "site")
-        variant = fixes[0].variant_for(find_distribution("megatron-core", [site]).version)
+        patch = manifest.patch_path(fixes[0], fixes[0].family_of(find_distribution("megatron-core", [site]).version))
         files = sum(1 for path in site.rglob("*") if path.is_file())
-        print(f"megatron-core copy: {site} ({files} files), {variant.patch.name}, median of {repeat} runs")
+        print(f"megatron-core copy: {site} ({files} files), {patch.name}, median of {repeat} runs")
 
         cli = [sys.executable, "-m", "mtp_overlay.cli", "patch"]
         where = ["--site-packages", str(site), "--only", "mtp-sp-scatter"]
@@ -53,18 +55,18 @@ def main():
 
         def in_process(*commands):
             for command in commands:
-                assert all(r.action not in ("refused", "failed") for r in engine.run(command, fixes, [site]))
+                assert all(r.action not in ("refused", "failed") for r in engine.run(command, fixes, manifest, [site]))
 
         rows = {
             "check": (
                 lambda: run(*cli, "check", *where),
                 lambda: in_process("check"),
-                lambda: run("git", "apply", "--check", str(variant.patch)),
+                lambda: run("git", "apply", "--check", str(patch)),
             ),
             "apply+revert": (
                 lambda: (run(*cli, "apply", *where), run(*cli, "revert", *where)),
                 lambda: in_process("apply", "revert"),
-                lambda: (run("git", "apply", str(variant.patch)), run("git", "apply", "-R", str(variant.patch))),
+                lambda: (run("git", "apply", str(patch)), run("git", "apply", "-R", str(patch))),
             ),
         }
         over = False
@@ -77,9 +79,9 @@ def main():
                 f"CLI/git {t_cli / t_bare:5.1f}x  in-process/git {t_api / t_bare:5.1f}x  "
                 f"budget {BUDGETS[name]:.1f} s: {'ok' if ok else 'OVER'}"
             )
-        state = engine.run("check", fixes, [site])[0].state
+        state = engine.run("check", fixes, manifest, [site])[0].state
         print(f"copy left {state} (expected needed)")
-    return 1 if over or state != engine.NEEDED else 0
+    return 1 if over or state != State.NEEDED else 0
 
 
 if __name__ == "__main__":

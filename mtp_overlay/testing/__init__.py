@@ -56,7 +56,14 @@ Usage (``fn`` must be a module-level function, its arguments and return value pi
   "nemo-rl", labels=True|False, mtp_grad_scale=None|x|"global-valid-tokens", update=True)`` ->
   ``MegatronStepResult``: lm_loss, logged mtp_losses / mtp_acceptance, mtp_tokens, ``grads``
   ({"mtp", "lm"}: flat TP-gathered numpy arrays, ``relative_error(reference, part)``), grad norms,
-  update_norm. ``tiny_gpt.train_step`` is its hand-written imitation; both agree at TP1.
+  update_norm. ``tiny_gpt.train_step`` is its hand-written imitation; both agree at TP1. A microbatch
+  may be a packed THD row (``PackedRow.microbatch``: [1, T] tensors plus ``packed_seq_params``, CP-sharded
+  per sequence); ``PackedRow.reference_microbatch`` holds each sequence alone (BSHD) for the reference;
+  ``mtp_mask="scoped"`` routes the RL MTP mask through ``mtp_overlay.mtp.loss_mask_scope``.
+* ``parity``: Megatron's step on model x layout (BSHD, THD padded / unpadded) x parallelism, stock and
+  with every megatron-core fix (``parity_table`` / ``markdown``: ``scripts/parity.py``), and the
+  composition cases of the real path (``composition_cases``, ``expected_outcome``: which fixes a path
+  needs; ``scripts/parity.py --compose``).
 * ``reproducers.reproduce(fix_id) -> (bug_shows, evidence)``: a fix's stock path with the fix off
   (``reproducers/<fix_id>.py``), for the support matrix, the upstream-tracking tests, ``check --run``.
 * ``demo``: the main job (``mtp-overlay demo``); ``patch_images``: what ``scripts/measure_patches.py``

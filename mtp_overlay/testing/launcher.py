@@ -103,6 +103,8 @@ class RankPool:
             except OSError:
                 pass
         for process in self._processes.values():
+            if process.pid is None:  # never started (its start failed): nothing to stop
+                continue
             process.join(2)
             if process.is_alive():
                 process.kill()

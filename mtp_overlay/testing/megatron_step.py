@@ -23,19 +23,27 @@ Loss functions are shaped like Megatron-LM's ``pretrain_gpt.loss_func``:
   schedule's 2-output scaling; DDP sums, finalize_model_grads divides by 1 (a 2-output loss counts
   no tokens).
 
+Microbatches are BSHD ([mbs, seq], CP-sliced with upstream's ``get_batch_on_this_cp_rank``) or packed
+THD rows as NeMo-RL sends them (one [1, T] row with its ``packed_seq_params``, each padded sequence
+CP-sharded in the 2*CP-chunk layout by ``mtp_overlay.mtp.cp_shard``). A model that slices CP itself
+(``model_slices_context_parallel_inputs``, the Nemotron Omni contract) gets the full rows.
+
 Call inside ``run_ranks`` workers (model parallelism initialised; on CPU the shims installed). The
-model is any built megatron-core language model with MTP (GPTModel, HybridModel): the step only
-calls its forward and ``compute_language_model_loss``.
+model is any built megatron-core language model with MTP (GPTModel, HybridModel, or a wrapper around
+one in ``.language_model``): the step only calls its forward and ``compute_language_model_loss``.
 """
 
+import contextlib
 import dataclasses
 import functools
 import math
 
 LOSS_SHAPES = ("2-output", "3-output", "nemo-rl")
 OPTIMIZERS = ("megatron", None)
+MASK_ROUTES = ("explicit", "scoped")
 GLOBAL_VALID_TOKENS = "global-valid-tokens"
 MICROBATCH_KEYS = ("input_ids", "labels", "position_ids", "loss_mask")
+PACKED = "packed_seq_params"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +117,7 @@ class MegatronStep:
             raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
         self.config = model.config
         self.model = DistributedDataParallel(self.config, ddp_config or DistributedDataParallelConfig(), model)
+        self.language_model = _language_model(self.model)
         self.config.finalize_model_grads_func = finalize_model_grads
         self.optimizer = None
         if optimizer == "megatron":
@@ -117,14 +126,17 @@ class MegatronStep:
             settings = OptimizerConfig(optimizer="adam", lr=lr, clip_grad=0.0, bf16=False, fp16=False)
             self.optimizer = get_megatron_optimizer(settings, [self.model])
 
-    def step(self, microbatches, *, loss="3-output", labels=True, mtp_grad_scale=None, update=True):
+    def step(self, microbatches, *, loss="3-output", labels=True, mtp_grad_scale=None, update=True,
+             mtp_mask="explicit"):
         """One training step over ``microbatches``; returns a MegatronStepResult.
 
         microbatches: this data-parallel rank's microbatches, each a dict of full-length [mbs, seq]
           tensors (CP-sliced here): ``input_ids``, ``labels``, ``position_ids``, ``loss_mask``
           (label-aligned: the LM loss's mask; with labels also Megatron's MTP mask) and, for
           ``labels=False`` only, an optional ``mtp_loss_mask`` (input_ids-aligned, passed to the
-          model as ``loss_mask``: the RL convention).
+          model as ``loss_mask``: the RL convention). A packed (THD) microbatch also holds
+          ``packed_seq_params`` (megatron's PackedSeqParams, qkv_format "thd", full-row boundaries)
+          and its tensors are one [1, T] row laid out on the padded boundaries.
         loss: one of LOSS_SHAPES (module docstring).
         labels: True: the model computes the LM loss from ``labels`` (SFT / pretraining). False: the
           RL forward: the model gets no labels, returns logits, and the LM loss is computed here
@@ -133,16 +145,20 @@ class MegatronStep:
           "global-valid-tokens" (NeMo-RL: ``1 / global valid LM tokens`` of the step, summed over
           microbatches and data-parallel ranks). Set for this step only, reset after.
         update: run the optimizer step (and zero the gradient buffers first in every case).
+        mtp_mask: how ``mtp_loss_mask`` reaches the model: "explicit" (as its ``loss_mask``) or
+          "scoped" (``mtp_overlay.mtp.loss_mask_scope`` around the forward, no ``loss_mask``: the
+          route of fix mtp-loss-mask; stock megatron-core ignores the scope).
         """
         import torch
         from megatron.core import parallel_state
         from megatron.core.pipeline_parallel import get_forward_backward_func
         from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
-        from .tiny_gpt import cp_slice, logged_mtp_metrics
+        from .. import mtp
+        from .tiny_gpt import logged_mtp_metrics
 
         per_token = bool(self.config.calculate_per_token_loss)
-        check_step_arguments(microbatches, loss, labels, mtp_grad_scale, per_token, update, self.optimizer)
+        check_step_arguments(microbatches, loss, labels, mtp_grad_scale, per_token, update, self.optimizer, mtp_mask)
         cp_group = parallel_state.get_context_parallel_group()
         dp_group = parallel_state.get_data_parallel_group()
         dp_cp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
@@ -160,23 +176,31 @@ class MegatronStep:
                 nemo_rl_loss, valid_tokens, len(microbatches), torch.distributed.get_world_size(cp_group)
             ),
         }[loss]
-        model_forward = _unwrapped(self.model)
+        language_model = self.language_model
 
         def forward_step(data_iterator, model):
-            batch = next(data_iterator)
-            inputs = dict(input_ids=batch["input_ids"], position_ids=batch["position_ids"], attention_mask=None)
+            inputs, local = next(data_iterator)
+            call = dict(input_ids=inputs["input_ids"], position_ids=inputs["position_ids"], attention_mask=None)
+            if inputs.get(PACKED) is not None:
+                call[PACKED] = inputs[PACKED]
+            scope = contextlib.nullcontext()
             if labels:
-                inputs.update(labels=batch["labels"], loss_mask=batch["loss_mask"])
+                call.update(labels=inputs["labels"], loss_mask=inputs["loss_mask"])
             else:
-                inputs.update(labels=None)
-                if batch.get("mtp_loss_mask") is not None:
-                    inputs.update(loss_mask=batch["mtp_loss_mask"])
-            output = model(**inputs)
+                call.update(labels=None)
+                if inputs.get("mtp_loss_mask") is not None:
+                    if mtp_mask == "explicit":
+                        call.update(loss_mask=inputs["mtp_loss_mask"])
+                    else:
+                        scope = mtp.loss_mask_scope(inputs["mtp_loss_mask"])
+            with scope:
+                output, _ = mtp.split_output(model(**call))  # a CP-slicing model also hands back its mask
             if not labels:  # logits [b, s, v/tp]: the trainer's own LM loss
-                output = model_forward.compute_language_model_loss(batch["labels"], output.transpose(0, 1).contiguous())
-            return output, functools.partial(loss_function, batch["loss_mask"])
+                output = language_model.compute_language_model_loss(local["labels"], output.transpose(0, 1).contiguous())
+            return output, functools.partial(loss_function, local["loss_mask"])
 
-        local = [{key: value.to(device) for key, value in cp_slice(batch).items()} for batch in microbatches]
+        slices_cp = mtp.model_slices_context_parallel(self.model)
+        prepared = [_prepare(batch, device, slices_cp) for batch in microbatches]
         self.model.zero_grad_buffer()
         if self.optimizer is not None:
             self.optimizer.zero_grad()
@@ -188,11 +212,11 @@ class MegatronStep:
         try:
             reports = get_forward_backward_func()(
                 forward_step_func=forward_step,
-                data_iterator=iter(local),
+                data_iterator=iter(prepared),
                 model=[self.model],
-                num_microbatches=len(local),
-                seq_length=local[0]["input_ids"].shape[1],
-                micro_batch_size=local[0]["input_ids"].shape[0],
+                num_microbatches=len(prepared),
+                seq_length=prepared[0][1]["input_ids"].shape[1],
+                micro_batch_size=prepared[0][1]["input_ids"].shape[0],
                 forward_only=False,
             )
         finally:
@@ -200,18 +224,18 @@ class MegatronStep:
 
         lm_totals = torch.stack([report["lm loss"].double() for report in reports]).sum(0)
         torch.distributed.all_reduce(lm_totals, group=dp_cp_group)
-        mtp = logged_mtp_metrics(len(local), dp_cp_group)
-        grads = _finalized_grads(model_forward)
+        metrics = logged_mtp_metrics(len(prepared), dp_cp_group)
+        grads = _finalized_grads(language_model)
         update_norm = None
         if update:
             update_norm = self._optimizer_step()
         return MegatronStepResult(
-            lm_loss=(lm_totals[0] / lm_totals[1].clamp(min=1)).item(), update_norm=update_norm, **mtp, **grads
+            lm_loss=(lm_totals[0] / lm_totals[1].clamp(min=1)).item(), update_norm=update_norm, **metrics, **grads
         )
 
     def _optimizer_step(self):
         """megatron-core's optimizer step; the L2 norm of the full (TP-gathered) weight update."""
-        model = _unwrapped(self.model)
+        model = self.language_model
         before = dict(_full_flat(model, lambda param: param.detach().clone()))
         succeeded, _, _ = self.optimizer.step()
         if not succeeded:
@@ -257,7 +281,7 @@ def nemo_rl_loss(global_valid_tokens, num_microbatches, cp_size, loss_mask, outp
     return loss, {"lm loss": torch.stack([local.detach(), mask.sum()])}
 
 
-def check_step_arguments(microbatches, loss, labels, mtp_grad_scale, per_token, update, optimizer):
+def check_step_arguments(microbatches, loss, labels, mtp_grad_scale, per_token, update, optimizer, mtp_mask="explicit"):
     import torch
 
     if loss not in LOSS_SHAPES:
@@ -272,6 +296,10 @@ def check_step_arguments(microbatches, loss, labels, mtp_grad_scale, per_token, 
     if not (mtp_grad_scale is None or mtp_grad_scale == GLOBAL_VALID_TOKENS
             or (isinstance(mtp_grad_scale, (int, float)) and not isinstance(mtp_grad_scale, bool) and mtp_grad_scale > 0)):
         raise ValueError(f"mtp_grad_scale must be None, a positive number or {GLOBAL_VALID_TOKENS!r}, got {mtp_grad_scale!r}")
+    if mtp_mask not in MASK_ROUTES:
+        raise ValueError(f"mtp_mask must be one of {MASK_ROUTES}, got {mtp_mask!r}")
+    if mtp_mask == "scoped" and labels:
+        raise ValueError("mtp_mask='scoped' needs labels=False: a mask is scoped for the RL forward only")
     if update and optimizer is None:
         raise ValueError("update=True needs an optimizer: build MegatronStep(model, optimizer='megatron')")
     if not isinstance(microbatches, (list, tuple)) or not microbatches:
@@ -288,6 +316,9 @@ def check_step_arguments(microbatches, loss, labels, mtp_grad_scale, per_token, 
         for key, value in batch.items():
             if value is None:
                 continue
+            if key == PACKED:
+                check_packed_microbatch(batch, index)
+                continue
             if not isinstance(value, torch.Tensor) or value.dim() != 2:
                 raise ValueError(f"microbatches[{index}][{key!r}] must be a [micro_batch_size, seq] tensor")
             if shape is None:
@@ -299,9 +330,55 @@ def check_step_arguments(microbatches, loss, labels, mtp_grad_scale, per_token, 
                 )
 
 
-def _unwrapped(model):
-    while hasattr(model, "module"):
-        model = model.module
+def check_packed_microbatch(batch, index):
+    """A packed microbatch: THD params whose padded boundaries cover its one [1, T] row exactly."""
+    params = batch[PACKED]
+    if getattr(params, "qkv_format", None) != "thd" or getattr(params, "cu_seqlens_q", None) is None:
+        raise ValueError(
+            f"microbatches[{index}][{PACKED!r}] must be a PackedSeqParams with qkv_format 'thd' and "
+            f"cu_seqlens_q, got {params!r}"
+        )
+    shape = tuple(batch["input_ids"].shape)
+    end = int(padded_boundaries(params)[-1])
+    if len(shape) != 2 or shape[0] != 1 or shape[1] != end:
+        raise ValueError(
+            f"microbatches[{index}]: a packed microbatch is one [1, T] row with T the last padded boundary "
+            f"({end}), got input_ids of shape {shape}"
+        )
+
+
+def padded_boundaries(packed_seq_params):
+    """The boundaries a packed row is laid out on: ``cu_seqlens_q_padded``, else ``cu_seqlens_q``."""
+    padded = getattr(packed_seq_params, "cu_seqlens_q_padded", None)
+    return packed_seq_params.cu_seqlens_q if padded is None else padded
+
+
+def _prepare(batch, device, slices_cp):
+    """(what the model gets, this CP rank's share for the loss) of one full-length microbatch."""
+    from megatron.core import parallel_state
+
+    from ..mtp import cp_shard
+    from .tiny_gpt import cp_slice
+
+    tensors = {key: value for key, value in batch.items() if key != PACKED}
+    params = batch.get(PACKED)
+    if params is None:
+        local = cp_slice(tensors)
+    else:
+        size = parallel_state.get_context_parallel_world_size()
+        rank = parallel_state.get_context_parallel_rank()
+        boundaries = padded_boundaries(params)
+        local = {key: None if value is None else cp_shard(value, size, rank, boundaries) for key, value in tensors.items()}
+    local = {key: None if value is None else value.to(device) for key, value in local.items()}
+    inputs = {key: None if value is None else value.to(device) for key, value in tensors.items()} if slices_cp else dict(local)
+    inputs[PACKED] = params
+    return inputs, local
+
+
+def _language_model(model):
+    """The megatron-core language model inside DDP and wrappers (``.module``, ``.language_model``)."""
+    while hasattr(model, "module") or hasattr(model, "language_model"):
+        model = model.module if hasattr(model, "module") else model.language_model
     return model
 
 

@@ -65,6 +65,53 @@ class PackedRow:
             for text, prompt in zip(self.texts, self.prompts)
         ]
 
+    def microbatch(self, *, labels):
+        """This row as one packed microbatch of ``megatron_step.MegatronStep`` (full row, its params).
+
+        labels=True (SFT): ``loss_mask`` is the row's mask over the labels. labels=False (RL): the
+        row's mask read as a token mask (token i is a response token) is ``mtp_loss_mask``
+        (input_ids-aligned, what Megatron rolls into the MTP mask) and ``loss_mask`` the LM loss's
+        label-aligned mask (label i is token i + 1: the mask shifted left within each sequence).
+        """
+        batch = dict(input_ids=self.input_ids, labels=self.labels, position_ids=self.position_ids,
+                     packed_seq_params=self.packed_seq_params)
+        masks = self._masks(labels)
+        starts = self.cu_seqlens_padded.tolist()
+        for key in masks[0]:
+            batch[key] = torch.zeros(self.input_ids.shape)
+            for start, mask in zip(starts, masks):
+                batch[key][0, start : start + mask[key].shape[0]] = mask[key]
+        return batch
+
+    def reference_microbatch(self, *, labels):
+        """Each sequence alone in its own row, unpacked: one BSHD microbatch [num_sequences, longest]
+        (right-padded: causal attention keeps padding out of the real tokens, masks are zero on it),
+        the keys of `microbatch`. One microbatch, so Megatron normalises the LM and MTP losses by the
+        same token counts as for the packed row."""
+        count, longest = len(self.texts), max(self.lengths)
+        batch = {key: torch.zeros(count, longest, dtype=torch.int64) for key in ("input_ids", "labels")}
+        batch["position_ids"] = torch.arange(longest).repeat(count, 1)
+        masks = self._masks(labels)
+        for key in masks[0]:
+            batch[key] = torch.zeros(count, longest)
+        for index, (text, mask) in enumerate(zip(self.texts, masks)):
+            length = len(text) - 1
+            batch["input_ids"][index, :length], batch["labels"][index, :length] = text[:-1], text[1:]
+            for key, value in mask.items():
+                batch[key][index, :length] = value
+        return batch
+
+    def _masks(self, labels):
+        """Per sequence, the unpadded masks of a microbatch (see `microbatch`)."""
+        masks = []
+        for text, prompt in zip(self.texts, self.prompts):
+            response = (torch.arange(len(text) - 1) >= prompt).float()
+            if labels:
+                masks.append(dict(loss_mask=response))
+            else:
+                masks.append(dict(loss_mask=torch.cat([response[1:], response.new_zeros(1)]), mtp_loss_mask=response))
+        return masks
+
     def real_slots(self):
         """Boolean [T]: the slots holding a real token (not padding)."""
         padded = self.cu_seqlens_padded.long()
@@ -191,6 +238,11 @@ class SelfSlicingCP(torch.nn.Module):
         super().__init__()
         self.language_model = language_model
         self.config = language_model.config
+        self.model_type = language_model.model_type  # what Megatron's schedule reads off a model
+
+    def set_input_tensor(self, input_tensor):
+        """Megatron's schedule hands pipeline inputs to the model (as LLaVAModel passes them on)."""
+        self.language_model.set_input_tensor(input_tensor)
 
     def forward(self, input_ids, position_ids, attention_mask=None, labels=None, *, loss_mask=None,
                 packed_seq_params=None, **kwargs):

@@ -17,6 +17,7 @@ import torch
 
 from mtp_overlay.testing.launcher import run_ranks_checked
 from mtp_overlay.testing.megatron_step import check_step_arguments, relative_error
+from mtp_overlay.testing.packed_reference import packed_params
 
 CP_FIX = "mtp-cp-loss-scale"
 BATCH_SIZE, SEQ_LENGTH, PROMPT = 2, 32, 12
@@ -208,11 +209,18 @@ def test_relative_error():
         (dict(microbatches=[{"input_ids": torch.zeros(2, 32)}]), "must be a dict with keys"),
         (dict(microbatches=[dict(batch(), position_ids=torch.zeros(2, 16))]), r"has shape \(2, 16\), expected \(2, 32\)"),
         (dict(microbatches=[rl_batch()]), "mtp_loss_mask .* but labels=True"),
+        (dict(mtp_mask="implicit"), "mtp_mask must be one of"),
+        (dict(mtp_mask="scoped"), "mtp_mask='scoped' needs labels=False"),
+        (dict(microbatches=[dict(batch(), packed_seq_params="thd")]), "'packed_seq_params'] must be a PackedSeqParams"),
+        (dict(microbatches=[dict(batch(), packed_seq_params=packed_params([20, 12]))]),
+         r"one \[1, T\] row with T the last padded boundary \(32\), got input_ids of shape \(2, 32\)"),
+        (dict(microbatches=[dict({k: v[:1] for k, v in batch().items()}, packed_seq_params=packed_params([8, 8]))]),
+         r"last padded boundary \(16\), got input_ids of shape \(1, 32\)"),
     ],
 )
 def test_bad_step_arguments_are_refused_naming_the_argument(change, message):
     arguments = dict(microbatches=[batch()], loss="3-output", labels=True, mtp_grad_scale=None, per_token=False,
-                     update=False, optimizer=None)
+                     update=False, optimizer=None, mtp_mask="explicit")
     arguments.update(change)
     with pytest.raises(ValueError, match=message):
         check_step_arguments(**arguments)

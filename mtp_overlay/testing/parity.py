@@ -1,0 +1,389 @@
+"""Megatron's own training step on every model x layout x parallelism, stock and with the overlay.
+
+One case is one `megatron_step.MegatronStep` step (DDP, ``get_forward_backward_func``,
+``finalize_model_grads``; gradients only) of a built model on one microbatch, with exactly the
+overlay fixes it names installed. `run_cases` runs a list of cases on the ranks of one spawned pool
+(models are built once per pool and reused); `parity_table` runs every layout's cases, each in its
+own `RankPool`, and compares them with the references of a TP1 pool.
+
+Models (``MODELS``): the tiny GPTModel, the tiny HybridModel, that HybridModel built with
+``scatter_embedding_sequence_parallel=False`` (Nemotron VL/Omni's setting: mtp-sp-scatter), and,
+with megatron-bridge installed, a NemotronH HybridModel built by Bridge's provider (the same
+setting). Layouts (``LAYOUTS``): BSHD (``make_batch``, 2 x 32), and one packed THD row of four
+sequences in NeMo-RL's two ``PackedSeqParams`` flavours, "padded" (``cu_seqlens_q`` padded) and
+"unpadded" (``cu_seqlens_q`` real, ``cu_seqlens_q_padded`` padded: NeMo-RL PR #3494's
+``model_slices_context_parallel_inputs`` path). Every case is an RL forward (``labels=None``) with a
+response-only loss mask, the per-token 3-output loss (``calculate_per_token_loss=True``, where
+upstream's own LM normalisation is exact under CP). References: BSHD at TP1 for BSHD; for packed
+rows each sequence alone, unpacked, at TP1 (``PackedRow.reference_microbatch``), through the same
+step.
+"""
+
+import contextlib
+import dataclasses
+
+from .megatron_step import relative_error
+
+# the packed row: four sequences (lengths drawn in [3, 15], seeded: 9, 12, 6, 4) and their prompts
+LENGTH_RANGE, LENGTH_SEED = (3, 15), 1
+PROMPTS = (2, 0, 3, 1)
+FLAVOURS = ("padded", "unpadded")
+LAYOUTS = ("bshd",) + FLAVOURS
+MODELS = ("gpt", "hybrid", "hybrid, scatter=False", "bridge nemotron_h, scatter=False")
+BRIDGE_MODELS = tuple(model for model in MODELS if model.startswith("bridge"))
+NOT_SCATTERING = tuple(model for model in MODELS if model.endswith("scatter=False"))
+# world size, TP, CP, sequence parallelism, and the per-sequence padding multiple NeMo-RL uses
+# (2*CP*TP under CP, TP under SP); at TP1 none is needed: 4 makes the two flavours differ
+PARALLELISMS = {
+    "TP1": dict(world_size=1, tp=1, cp=1, sp=False, pad_multiple=4),
+    "CP2": dict(world_size=2, tp=1, cp=2, sp=False, pad_multiple=4),
+    "TP2+SP": dict(world_size=2, tp=2, cp=1, sp=True, pad_multiple=2),
+    "TP2xCP2+SP": dict(world_size=4, tp=2, cp=2, sp=True, pad_multiple=8),
+}
+NVTE_BACKEND_VARIABLES = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")
+LOSSES = {  # MegatronStep.step arguments of the per-token loss modes
+    "3-output": dict(loss="3-output"),
+    "nemo-rl": dict(loss="nemo-rl", mtp_grad_scale="global-valid-tokens"),
+}
+
+
+def megatron_core_fixes():
+    """The overlay's megatron-core fixes (every fix whose targets are megatron-core modules)."""
+    from .. import registry
+
+    return tuple(name for name, targets in registry.FIXES if all(t.startswith("megatron.core") for t in targets))
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One step. model: one of MODELS; layout: one of LAYOUTS, or "reference" (each sequence of the
+    packed row alone, BSHD); pad_multiple: the packed row's per-sequence padding; fixes: installed
+    for this case only; loss: a key of LOSSES; mtp_mask: MegatronStep's route for the MTP mask
+    ("explicit" or "scoped"); wrapper: the model inside ``packed.SelfSlicingCP`` (full rows in)."""
+
+    model: str
+    layout: str
+    sequence_parallel: bool = False
+    pad_multiple: int = 1
+    fixes: tuple = ()
+    loss: str = "3-output"
+    mtp_mask: str = "explicit"
+    wrapper: bool = False
+
+    def __post_init__(self):
+        if self.model not in MODELS:
+            raise ValueError(f"model must be one of {MODELS}, got {self.model!r}")
+        if self.layout not in LAYOUTS + ("reference",):
+            raise ValueError(f"layout must be one of {LAYOUTS + ('reference',)}, got {self.layout!r}")
+        if self.loss not in LOSSES:
+            raise ValueError(f"loss must be one of {tuple(LOSSES)}, got {self.loss!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    """A case's `MegatronStepResult` (``step``) or the error its step raised (``"Type: message"``)."""
+
+    case: Case
+    step: object = None
+    error: str | None = None
+
+    def compare(self, reference):
+        """(max |Δgrad| MTP block, max |Δgrad| rest, relerr MTP, relerr rest) against ``reference``."""
+        import numpy
+
+        deltas = [float(numpy.abs(self.step.grads[part].astype(numpy.float64) - reference.step.grads[part]).max())
+                  for part in ("mtp", "lm")]
+        return (*deltas, *(relative_error(self.step.grads[part], reference.step.grads[part]) for part in ("mtp", "lm")))
+
+
+def lengths():
+    from .packed import random_lengths
+
+    return random_lengths(len(PROMPTS), *LENGTH_RANGE, seed=LENGTH_SEED)
+
+
+def packed_row(pad_multiple, flavour="padded"):
+    """The packed row of the table (`packed.make_packed_row`)."""
+    from .packed import make_packed_row
+
+    return make_packed_row(lengths(), pad_multiple=pad_multiple, flavour=flavour, prompts=PROMPTS)
+
+
+def microbatch(case):
+    """The case's full-length RL microbatch (``labels=False`` convention of MegatronStep)."""
+    from .reproducers.mtp_cp_loss_scale import microbatch as bshd_microbatch
+
+    if case.layout == "bshd":  # loss mask zero over the first 40% of each sequence
+        return bshd_microbatch("uneven", labels=False)
+    if case.layout == "reference":
+        return packed_row(1).reference_microbatch(labels=False)
+    return packed_row(case.pad_multiple, case.layout).microbatch(labels=False)
+
+
+def build(model, *, sequence_parallel=False, seed=1234):
+    """A per-token-loss model of MODELS for this rank (TP/CP from parallel_state)."""
+    from .tiny_gpt import build_tiny_gpt
+    from .tiny_hybrid import build_tiny_hybrid
+
+    scatter = dict(scatter_embedding_sequence_parallel=model not in NOT_SCATTERING)
+    if model in BRIDGE_MODELS:
+        from .bridge import build_bridge_model
+
+        with _own_attention_backend():
+            built = build_bridge_model(model.split()[1].rstrip(","), seed=seed, sequence_parallel=sequence_parallel,
+                                       **scatter)
+        built.config.calculate_per_token_loss = True  # read at DDP's construction and in every step
+        return built
+    builder = build_tiny_gpt if model == "gpt" else build_tiny_hybrid
+    return builder(seed=seed, sequence_parallel=sequence_parallel, calculate_per_token_loss=True, **scatter)
+
+
+@contextlib.contextmanager
+def _own_attention_backend():
+    """Build a model whose attention backend differs from the tiny models' in the same process.
+
+    megatron-core records a model's attention backend in the process-wide NVTE_* variables and refuses
+    a later model with another one (``LanguageModule._set_attention_backend``); Bridge's CPU build
+    uses ``AttnBackend.local``, the tiny models ``auto``. The variables are put back after the build.
+    """
+    import os
+
+    saved = {name: os.environ.pop(name, None) for name in NVTE_BACKEND_VARIABLES}
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            os.environ.pop(name, None)
+            if value is not None:
+                os.environ[name] = value
+
+
+def run_cases(cases):
+    """Rank worker: every case in order; on global rank 0 a list of Outcomes (None elsewhere).
+
+    Each (model, sequence parallelism, wrapper) is built and wrapped in MegatronStep once. A case
+    installs exactly its fixes (stock megatron-core otherwise). A step that raises is recorded with
+    its error: every rank fails at the same point (shape checks, layout refusals), so the next case
+    starts in step.
+    """
+    import torch
+
+    import mtp_overlay
+
+    from .megatron_step import MegatronStep
+    from .packed import SelfSlicingCP
+
+    steps, outcomes = {}, []
+    for case in cases:
+        key = (case.model, case.sequence_parallel, case.wrapper)
+        if key not in steps:
+            mtp_overlay.uninstall()  # every model is built by stock megatron-core
+            model = build(case.model, sequence_parallel=case.sequence_parallel)
+            steps[key] = MegatronStep(SelfSlicingCP(model) if case.wrapper else model, optimizer=None)
+        mtp_overlay.uninstall()
+        mtp_overlay.install(only=list(case.fixes))
+        try:
+            step = steps[key].step([microbatch(case)], labels=False, update=False, mtp_mask=case.mtp_mask,
+                                   **LOSSES[case.loss])
+            outcomes.append(Outcome(case, step=step))
+        except Exception as error:  # noqa: BLE001 - a stock crash or a refusal is a result
+            outcomes.append(Outcome(case, error=f"{type(error).__name__}: {error}"))
+    mtp_overlay.uninstall()
+    return outcomes if torch.distributed.get_rank() == 0 else None
+
+
+def run_layout(parallelism, cases, *, timeout=900, log=None):
+    """``run_cases(cases)`` on a fresh RankPool of ``parallelism`` (a key of PARALLELISMS)."""
+    from .launcher import RankPool
+
+    spec = PARALLELISMS[parallelism]
+    with RankPool(spec["world_size"], tp=spec["tp"], cp=spec["cp"], log=log) as pool:
+        return pool.run_checked(run_cases, args=(cases,), fixes=[], timeout=timeout)[0]
+
+
+def table_cases(parallelism, models):
+    """The parity table's cases for one parallelism: every model and layout, stock and overlay (the
+    scatter=False tiny HybridModel only under sequence parallelism: elsewhere it is its twin)."""
+    spec, fixes = PARALLELISMS[parallelism], megatron_core_fixes()
+    cases = []
+    for model in models:
+        if model in NOT_SCATTERING and model not in BRIDGE_MODELS and not spec["sp"]:
+            continue
+        for layout in LAYOUTS:
+            for variant in ((), fixes):
+                cases.append(Case(model, layout, spec["sp"], spec["pad_multiple"], variant))
+    return cases
+
+
+def reference_cases(models):
+    """TP1, stock: BSHD and each sequence alone, per model (scatter=False models share their twin's
+    weights: the setting changes nothing without sequence parallelism)."""
+    return [Case(model, layout) for model in models for layout in ("bshd", "reference")]
+
+
+def composition_cases(parallelism):
+    """The real path with the fixes composed: HybridModel, the unpadded packed row (real ``cu_seqlens_q``,
+    padded ``cu_seqlens_q_padded``), RL forward, response-only mask, at one parallelism.
+
+    Per model (under sequence parallelism also the ``scatter=False`` HybridModel): with the mask
+    scoped (``mtp_overlay.mtp.loss_mask_scope``: mtp-loss-mask's route) stock, each fix alone, all
+    but one, all; with the mask passed explicitly stock, mtp-packed-roll and mtp-cp-loss-scale alone
+    and together (with mtp-sp-scatter), all; stock and all with NeMo-RL's loss too, and through a
+    model that slices CP itself (``SelfSlicingCP``, full rows in). Named by `composition_name`.
+    """
+    spec, everything = PARALLELISMS[parallelism], megatron_core_fixes()
+    models = ("hybrid",) + (("hybrid, scatter=False",) if spec["sp"] else ())
+    scoped = [()] + [(fix,) for fix in everything] + [tuple(f for f in everything if f != fix) for fix in everything]
+    explicit = [(), ("mtp-packed-roll",), ("mtp-cp-loss-scale",), ("mtp-sp-scatter", "mtp-packed-roll", "mtp-cp-loss-scale")]
+    base = dict(layout="unpadded", sequence_parallel=spec["sp"], pad_multiple=spec["pad_multiple"])
+    cases = []
+    for model in models:
+        for route, fix_sets in (("scoped", scoped + [everything]), ("explicit", explicit + [everything])):
+            for fixes in fix_sets:
+                cases.append(Case(model, fixes=fixes, mtp_mask=route, **base))
+        for route in ("scoped", "explicit"):
+            for fixes in ((), everything):
+                cases.append(Case(model, fixes=fixes, mtp_mask=route, loss="nemo-rl", **base))
+        for fixes in ((), everything):
+            cases.append(Case(model, fixes=fixes, wrapper=True, **base))
+    return cases
+
+
+def composition_name(case):
+    """``"<model> <route>[ wrapper] <loss>: <fixes>"``, the fixes as "stock", "all", "all but X" or their ids."""
+    everything = megatron_core_fixes()
+    if not case.fixes:
+        fixes = "stock"
+    elif set(case.fixes) == set(everything):
+        fixes = "all"
+    elif len(case.fixes) == len(everything) - 1:
+        fixes = "all but " + next(fix for fix in everything if fix not in case.fixes)
+    else:
+        fixes = " + ".join(case.fixes)
+    route = case.mtp_mask + (" wrapper" if case.wrapper else "")
+    return f"{case.model} {route} {case.loss}: {fixes}"
+
+
+def composition_references():
+    """TP1, stock: each sequence of the packed row alone, HybridModel, both per-token losses."""
+    return [Case("hybrid", "reference", loss=loss) for loss in LOSSES]
+
+
+def needed_fixes(case, parallelism):
+    """The fixes this composition case's path needs to train like the reference, and why."""
+    spec = PARALLELISMS[parallelism]
+    needs = {"mtp-packed-roll": "cu_seqlens_q holds the real boundaries of a padded layout"}
+    if case.model in NOT_SCATTERING and spec["sp"]:
+        needs["mtp-sp-scatter"] = "the embedding does not scatter to the sequence-parallel region"
+    if case.mtp_mask == "scoped":
+        needs["mtp-loss-mask"] = "the mask is scoped, not passed"
+    if spec["cp"] > 1:
+        needs["mtp-cp-loss-scale"] = "each CP rank normalises its MTP loss by its own counts"
+    return needs
+
+
+def expected_outcome(case, parallelism):
+    """What the composition case must give: "exact" (equals the reference), "differs", "refused" (the
+    mtp-loss-mask hook refuses the unpadded flavour without mtp-packed-roll) or "crash" (the stock
+    MTP concat of a model that does not scatter its embedding under SP)."""
+    missing = set(needed_fixes(case, parallelism)) - set(case.fixes)
+    if "mtp-loss-mask" in case.fixes and "mtp-packed-roll" not in case.fixes:
+        return "refused"
+    if "mtp-sp-scatter" in missing:
+        return "crash"
+    return "differs" if missing else "exact"
+
+
+def run_composition(parallelisms=("TP1", "CP2", "TP2xCP2+SP"), log=None):
+    """{loss: reference Outcome}, {parallelism: [Outcome]}: the references and composition cases at TP1
+    (one pool), then each other parallelism in its own pool."""
+    first = run_layout("TP1", composition_references() + composition_cases("TP1"), log=log)
+    references = {o.case.loss: o for o in first[: len(LOSSES)]}
+    outcomes = {"TP1": first[len(LOSSES):]}
+    for parallelism in parallelisms:
+        if parallelism != "TP1":
+            outcomes[parallelism] = run_layout(parallelism, composition_cases(parallelism), log=log)
+    return references, {p: outcomes[p] for p in parallelisms}
+
+
+def composition_markdown(references, outcomes):
+    """One row per composition case, one column per parallelism: the MTP-block and rest-of-model
+    gradient relerr against the reference, or the refusal / crash (n/a: the scatter=False model
+    runs under sequence parallelism only)."""
+    parallelisms = list(outcomes)
+    cells = {}
+    for parallelism, results in outcomes.items():
+        for outcome in results:
+            name = composition_name(outcome.case)
+            if outcome.error is not None and "mtp-packed-roll" in outcome.error:
+                cell = "refused (mtp-loss-mask: needs mtp-packed-roll)"
+            elif outcome.error is not None:
+                cell = _error(outcome.error, 40)
+            else:
+                *_, mtp, rest = outcome.compare(references[outcome.case.loss])
+                cell = f"{mtp:.2g} / {rest:.2g}"
+            cells.setdefault(name, {})[parallelism] = cell
+    lines = ["| case (HybridModel, THD unpadded, RL) | " + " | ".join(parallelisms) + " |",
+             "|" + " --- |" * (len(parallelisms) + 1)]
+    for name, row in cells.items():
+        lines.append(f"| {name} | " + " | ".join(row.get(p, "n/a") for p in parallelisms) + " |")
+    return "\n".join(lines)
+
+
+def parity_table(models=None, parallelisms=tuple(PARALLELISMS), log=None):
+    """Run the TP1 reference pool and one pool per parallelism; ``{(model, layout, parallelism): row}``
+    in table order, each row a dict of Outcomes: ``reference``, ``stock``, ``overlay``."""
+    models = tuple(models or (model for model in MODELS if model not in BRIDGE_MODELS))
+    first = reference_cases(models)
+    results = run_layout("TP1", first + (table_cases("TP1", models) if "TP1" in parallelisms else []), log=log)
+    references = {(o.case.model, o.case.layout): o for o in results[: len(first)]}
+    outcomes = [("TP1", outcome) for outcome in results[len(first):]]
+    for parallelism in parallelisms:
+        if parallelism != "TP1":
+            results = run_layout(parallelism, table_cases(parallelism, models), log=log)
+            outcomes += [(parallelism, outcome) for outcome in results]
+    rows = {}
+    for parallelism, outcome in outcomes:
+        case = outcome.case
+        reference = references[case.model, "bshd" if case.layout == "bshd" else "reference"]
+        row = rows.setdefault((case.model, case.layout, parallelism), dict(reference=reference))
+        row["overlay" if case.fixes else "stock"] = outcome
+    order = {name: index for index, name in enumerate(MODELS + LAYOUTS + tuple(PARALLELISMS))}
+    return dict(sorted(rows.items(), key=lambda item: tuple(order[part] for part in item[0])))
+
+
+def markdown(rows):
+    """The parity table in markdown."""
+    head = ("| model | layout | parallelism | reference LM / MTP loss | stock LM / MTP loss "
+            "| stock max \\|Δgrad\\| MTP / rest | overlay LM / MTP loss | overlay max \\|Δgrad\\| MTP / rest |")
+    lines = [head, "|" + " --- |" * 8]
+    for (model, layout, parallelism), row in rows.items():
+        reference = row["reference"]
+        cells = [model, LAYOUT_NAMES[layout], parallelism, _losses(reference)]
+        for variant in ("stock", "overlay"):
+            outcome = row[variant]
+            if outcome.error is not None:
+                cells += [_error(outcome.error), ""]
+            else:
+                mtp, rest, *_ = outcome.compare(reference)
+                cells += [_losses(outcome), f"{_delta(mtp)} / {_delta(rest)}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+LAYOUT_NAMES = {"bshd": "BSHD", "padded": "THD padded", "unpadded": "THD unpadded"}
+
+
+def _losses(outcome):
+    step = outcome.step
+    return f"{step.lm_loss:.5f} / {step.mtp_loss:.5f}"
+
+
+def _delta(value):
+    return "0" if value == 0 else f"{value:.1e}"
+
+
+def _error(text, width=60):
+    first = text.splitlines()[0]
+    kind = "refused" if first.startswith("ValueError") else "crash"
+    return f"{kind}: {first[: width] + '…' if len(first) > width else first}"

@@ -1,0 +1,45 @@
+"""Print the parity table: model x layout x parallelism -> LM loss, MTP loss, max |dgrad| vs the reference,
+stock megatron-core and with the overlay's megatron-core fixes on; or (--compose) the composition table.
+
+Megatron's own training step (DDP, get_forward_backward_func, finalize_model_grads), RL forward
+(labels=None) with a response-only loss mask, per-token 3-output loss; one rank pool per parallelism
+(mtp_overlay.testing.parity). References: BSHD at TP1; for packed THD rows each sequence alone,
+unpacked, at TP1. --compose: HybridModel on the unpadded THD row (NeMo-RL's
+model_slices_context_parallel_inputs flavour), every subset that matters of the megatron-core fixes,
+MTP-block / rest-of-model gradient relerr against each sequence alone at TP1.
+Usage: PYTHONPATH=$PWD python scripts/parity.py [--compose] [--no-bridge] [--log FILE]
+"""
+
+import argparse
+import os
+import tempfile
+import time
+
+from mtp_overlay.testing import parity
+from mtp_overlay.testing.bridge import BRIDGE_MISSING, bridge_installed
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--compose", action="store_true", help="print the composition table instead")
+    parser.add_argument("--no-bridge", action="store_true",
+                        help="leave out the NemotronH HybridModel built by Megatron-Bridge's provider (its import "
+                             "costs ~15 s a rank; left out anyway when megatron-bridge is not installed)")
+    parser.add_argument("--log", help="file for the ranks' output (default: a temporary file)")
+    options = parser.parse_args()
+    bridge = not options.no_bridge and bridge_installed()
+    log = options.log or os.path.join(tempfile.mkdtemp(prefix="mtp-parity-"), "ranks.log")
+    started = time.perf_counter()
+    if options.compose:
+        print(parity.composition_markdown(*parity.run_composition(log=log)))
+    else:
+        models = [model for model in parity.MODELS if bridge or model not in parity.BRIDGE_MODELS]
+        print(parity.markdown(parity.parity_table(models, log=log)))
+        if not bridge:
+            print(f"\n(no Megatron-Bridge model: {'--no-bridge' if options.no_bridge else BRIDGE_MISSING})")
+    print(f"\noverlay: {', '.join(parity.megatron_core_fixes())}; {time.perf_counter() - started:.0f} s "
+          f"(ranks' output: {log})")
+
+
+if __name__ == "__main__":
+    main()
