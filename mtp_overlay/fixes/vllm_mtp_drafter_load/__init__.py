@@ -398,8 +398,9 @@ class VllmMtpDrafterLoadFix(Fix):
                 return drifted(f"{owner.__name__}.load_weights{tuple(names)} is no longer ('self', 'weights')")
             return needed(f"{owner.__name__}.load_weights skips unrecognised names without a word")
         found = [name for name in RELOAD_WRAPPERS if name in vars(module)]
-        if not found:
-            return drifted(f"{module.__name__} has neither {BEGIN} nor {END}")
+        if len(found) < len(RELOAD_WRAPPERS):  # a refit's boundary needs both its begin and its end
+            missing = [name for name in RELOAD_WRAPPERS if name not in found]
+            return drifted(f"{module.__name__} has no {' nor '.join(missing)}")
         for name in found:
             function = vars(module)[name]
             if self._patched(function):
