@@ -15,6 +15,11 @@ What needs a shim on a CPU machine (megatron-core 0.19.x, local spec), SPEC §4:
 * ``HybridStack`` builds its final norm as ``TENorm`` whatever the layer spec
   (``models/hybrid/hybrid_block.py``, ``self.final_norm = TENorm(...)``): it gets ``WrappedTorchNorm``.
 * The default causal mask is allocated on ``"cuda"``: it is built on the CPU.
+* Megatron-LM main (d98e8a64, 2026-08-22; megatron-core 0.20.0): ``MultiTokenPredictionLayer`` asks
+  ``is_inference_column_parallel_linear`` of its ``eh_proj`` (``transformer/multi_token_prediction.py:1193``),
+  whose isinstance against TE-derived classes raises without TE
+  (``tensor_parallel/inference_layers.py:564``): the same test over what are classes (none: False).
+  Skipped on releases without that check (0.19.2 and earlier).
 * Context parallelism and packed (THD) sequences: ``DotProductAttention`` asserts that CP needs TE
   (``transformer/dot_product_attention.py`` ``__init__``) and refuses ``packed_seq_params``
   (``forward``), so under CP > 1 or with packed input it runs an exact causal attention
