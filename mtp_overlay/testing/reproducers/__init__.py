@@ -51,11 +51,12 @@ _FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+)')
 def failure_reason(exc):
     """``"<error type>: <message> (at <file>:<line>)"`` of the innermost error of ``exc``.
 
-    A `RanksFailed` (the ranks' tracebacks as text) is read from its first failed rank's traceback:
-    its last line is the error, its last frame where it was raised. Paths start at the package
+    A `RanksFailed` (the ranks' tracebacks as text) is read from the first rank that raised: its
+    traceback's last line is the error, its last frame where it was raised. Paths start at the package
     (``megatron/core/...``).
     """
     failed = [result for result in getattr(exc, "results", ()) if getattr(result, "error", None)]
+    failed.sort(key=lambda result: "Traceback" not in result.error)  # a raised error before "was killed"
     if failed:
         lines = [line for line in failed[0].error.splitlines() if line.strip()]
         error = lines[-1].strip() if lines else f"rank {failed[0].rank} failed"
