@@ -145,3 +145,45 @@ def test_megatron_main_rows_are_never_read_as_rows_of_a_pinned_release():
     lines = (ROOT / "docs" / "SUPPORT.md").read_text().splitlines()
     main_rows = [line for line in lines if "Megatron-LM main @" in line and line.startswith("| ")]
     assert all(MAIN_ROW.match(line) and not ROW.match(line) for line in main_rows), main_rows
+
+
+@pytest.fixture
+def support_matrix(monkeypatch, tmp_path):
+    """scripts/support_matrix.py writing to a copy of docs/SUPPORT.md, its releases measured by ``measured``."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("support_matrix", ROOT / "scripts" / "support_matrix.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    support = tmp_path / "SUPPORT.md"
+    support.write_text((ROOT / "docs" / "SUPPORT.md").read_text())
+    monkeypatch.setattr(script, "SUPPORT", support)
+    monkeypatch.setattr(script, "RELEASES", {"megatron-core": ["0.19.2"]})
+    monkeypatch.setattr(script, "release_site", lambda distribution, version: f"site-{version}")
+    return script
+
+
+def measured(version):
+    def measure(distribution, site):
+        return [dict(name=name, distribution="megatron-core", version=version(site), verdict="needed",
+                     reason="r", run="needed: e") for name in ("mtp-sp-scatter", "mtp-loss-mask")]
+    return measure
+
+
+def test_support_matrix_adds_main_rows_from_a_snapshot_and_keeps_them_without_one(support_matrix, monkeypatch, tmp_path):
+    git_dir, _ = make_megatron_lm(tmp_path / "Megatron-LM")
+    site = megatron_main_site(git_dir, tmp_path / "snapshots")
+    facts = snapshot_of(site)
+    monkeypatch.setattr(support_matrix, "measure", measured(lambda s: facts["version"] if s == site else "0.19.2"))
+    support_matrix.main(["--megatron-main", str(site)])
+    label = f"Megatron-LM main @ {facts['short']} ({facts['date']})"
+    rows = [line for line in support_matrix.SUPPORT.read_text().splitlines() if line.startswith("| mtp-")]
+    assert [line.split(" | ")[2] for line in rows] == ["0.19.2", label, "0.19.2", label]
+    assert all(MAIN_ROW.match(line) for line in rows[1::2]) and not any(ROW.match(line) for line in rows[1::2])
+
+    monkeypatch.setattr(support_matrix, "measure", measured(lambda s: "0.19.2"))
+    support_matrix.main([])  # no snapshot: the main rows stay, each after its fix's releases
+    assert [line for line in support_matrix.SUPPORT.read_text().splitlines() if line.startswith("| mtp-")] == rows
+
+    with pytest.raises(SystemExit, match="--megatron-main: .* is neither a Megatron-LM git directory nor a snapshot"):
+        support_matrix.main(["--megatron-main", str(tmp_path)])
