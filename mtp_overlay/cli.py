@@ -49,16 +49,15 @@ def _cross_check(rows):
     """Run each probed fix's stock code path (the test bed's reproducer) and compare: a probe that
     reads the code one way while the code behaves the other is `State.DISAGREES`."""
     from .contract import State
-    from .testing.reproducers import reproduce  # the test bed, reached only from `check --run`
+    from .testing.reproducers import StockPathNotRun, stock_run  # the test bed, reached only from `check --run`
 
     for row in rows:
         if row.verdict not in (State.NEEDED, State.REDUNDANT):
             continue
         try:
-            shows, evidence = reproduce(row.name)
-        except Exception as exc:
-            lines = [line for line in str(exc).splitlines() if line.strip()]
-            row.reason += f"; the stock run could not run: {type(exc).__name__}: {lines[-1] if lines else ''}"
+            shows, evidence = stock_run(row.name)
+        except StockPathNotRun as exc:
+            row.reason += f"; {exc}"
             continue
         ran = State.NEEDED if shows else State.REDUNDANT
         if ran != row.verdict:

@@ -2,31 +2,46 @@
 
 Each release is installed side by side (`pip install --no-deps --target`, sharing the venv's torch)
 and examined in a fresh interpreter: the probe (`mtp-overlay check`) reads the installed code, and
-`Fix.reproduce()` runs the stock code path with the fix off. Nothing in the table is declared by hand.
+the fix's reproducer runs the stock code path with the fix off. Nothing in the table is declared by hand.
+
+``--megatron-main SOURCE`` adds a "Megatron-LM main @ <commit> (<date>)" row per megatron-core fix,
+measured the same way on a source snapshot: SOURCE is a Megatron-LM git directory (a bare mirror will
+do; its HEAD is taken, its ``megatron/core`` extracted under the git-ignored ``.cache/megatron-lm-main/``)
+or a folder made that way. Without it, the main rows already in docs/SUPPORT.md are kept as they are
+(they name their commit and date). The snapshot's version is ``<package_info version>+<commit>``, a
+local version no release carries: the main rows are never compared with the default pins.
 """
 
+import argparse
 import datetime
 import json
+import re
 import sys
 from pathlib import Path
 
+from packaging.version import Version
+
 from mtp_overlay import registry
 from mtp_overlay.contract import distribution_version
-from mtp_overlay.testing.releases import release_site, run_with_release
+from mtp_overlay.testing.releases import megatron_main_site, release_site, run_with_release, snapshot_of
 
 RELEASES = {
     "megatron-core": ["0.14.0", "0.15.3", "0.16.1", "0.17.1", "0.18.2", "0.19.2"],
     "vllm": ["0.25.1", "0.33.0"],
     "ray": [None],  # None: the venv's pinned release
 }
-SUPPORT = Path(__file__).resolve().parents[1] / "docs" / "SUPPORT.md"
+ROOT = Path(__file__).resolve().parents[1]
+SUPPORT = ROOT / "docs" / "SUPPORT.md"
+MAIN_SNAPSHOTS = ROOT / ".cache" / "megatron-lm-main"
+MAIN_LABEL = "Megatron-LM main @ {short} ({date})"
+MAIN_ROW = re.compile(r"^\| [\w-]+ \| megatron-core \| Megatron-LM main @ ")
 
 MEASURE = """
 import json, warnings
 warnings.simplefilter("ignore")
 from mtp_overlay import registry
 from mtp_overlay.contract import State
-from mtp_overlay.testing.reproducers import reproduce
+from mtp_overlay.testing.reproducers import StockPathNotRun, stock_run
 rows = []
 for name in registry.names():
     if registry.get(name).distribution != {distribution!r}:
@@ -36,58 +51,99 @@ for name in registry.names():
         row["run"] = f"not run: the probe says {{row['verdict']}}"
     else:
         try:
-            shows, evidence = reproduce(name)
+            shows, evidence = stock_run(name)
             row["run"] = (State.NEEDED if shows else State.REDUNDANT) + ": " + evidence
-        except Exception as exc:
-            lines = [line for line in str(exc).splitlines() if line.strip()]
-            row["run"] = f"not run: {{type(exc).__name__}}: {{lines[-1].strip() if lines else ''}}"
+        except StockPathNotRun as exc:
+            row["run"] = str(exc)
     rows.append(row)
 print("MATRIX " + json.dumps(rows))
 """
 
 
-def measure(distribution, version):
-    site = release_site(distribution, version) if version else None
-    result = run_with_release(site or "", MEASURE.format(distribution=distribution), timeout=1800)
+def measure(distribution, site):
+    """The rows of every fix of ``distribution``, measured with ``site`` first on the path ("" for the venv's)."""
+    result = run_with_release(site, MEASURE.format(distribution=distribution), timeout=1800)
     lines = [line for line in result.stdout.splitlines() if line.startswith("MATRIX ")]
     if result.returncode or not lines:
-        raise SystemExit(f"{distribution} {version}: measurement failed\n{result.stderr[-3000:]}")
+        raise SystemExit(f"{distribution} from {site or 'the venv'}: measurement failed\n{result.stderr[-3000:]}")
     return json.loads(lines[-1][len("MATRIX "):])
+
+
+def main_snapshot(source):
+    """The importable snapshot folder for ``--megatron-main SOURCE`` (a git directory or a snapshot folder)."""
+    source = Path(source)
+    if snapshot_of(source) is not None:
+        return source
+    if not (source / "HEAD").is_file() and not (source / ".git").exists():
+        raise SystemExit(f"--megatron-main: {source} is neither a Megatron-LM git directory nor a snapshot folder")
+    try:
+        return megatron_main_site(source / ".git" if (source / ".git").exists() else source, MAIN_SNAPSHOTS)
+    except ValueError as exc:
+        raise SystemExit(f"--megatron-main: {exc}") from None
 
 
 def cell(text):
     return " ".join(str(text).split()).replace("|", "\\|")
 
 
-def main():
+def table_line(row):
+    return (
+        f"| {row['name']} | {row['distribution']} | {row.get('label') or row['version']} | **{row['verdict']}** | "
+        f"{cell(row['reason'])} | {cell(row['run'])} |"
+    )
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--megatron-main", metavar="SOURCE",
+                        help="also measure Megatron-LM main: its git directory, or a snapshot folder made from one")
+    return parser.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    snapshot = main_snapshot(args.megatron_main) if args.megatron_main else None
     rows = []
     for distribution, versions in RELEASES.items():
         for version in versions:
             print(f"measuring {distribution} {version or distribution_version(distribution)}", file=sys.stderr)
-            rows += measure(distribution, version)
+            rows += measure(distribution, release_site(distribution, version) if version else "")
+    if snapshot is not None:
+        facts = snapshot_of(snapshot)
+        print(f"measuring megatron-core from Megatron-LM main {facts['short']} ({facts['date']})", file=sys.stderr)
+        for row in measure("megatron-core", snapshot):
+            if row["version"] != facts["version"]:
+                raise SystemExit(f"{snapshot}: megatron-core answered {row['version']}, not the snapshot's {facts['version']}")
+            rows.append(dict(row, label=MAIN_LABEL.format(**facts)))
     order = registry.names()
-    rows.sort(key=lambda row: (order.index(row["name"]), [int(p) for p in row["version"].split(".")[:3]]))
+    rows.sort(key=lambda row: (order.index(row["name"]), "label" in row, Version(row["version"])))
+    kept = [] if snapshot is not None or not SUPPORT.exists() else [
+        line for line in SUPPORT.read_text().splitlines() if MAIN_ROW.match(line)
+    ]
     pins = {fix.distribution: distribution_version(fix.distribution) for fix in map(registry.get, order)}
     lines = [
         "# Support matrix",
         "",
         f"Generated by `scripts/upstream_matrix.sh` on {datetime.date.today().isoformat()} from real runs, "
         "never by hand. For every fix and upstream release: **probe** is `mtp-overlay check` reading the "
-        "installed code (needed / redundant / drifted); **stock run** is `Fix.reproduce()` running the stock "
+        "installed code (needed / redundant / drifted); **stock run** is the fix's reproducer running the stock "
         "code path with the fix off; **unsupported**: the release does not import on this stack. Default pins: "
-        + ", ".join(f"{d} {v}" for d, v in sorted(pins.items())) + ".",
+        + ", ".join(f"{d} {v}" for d, v in sorted(pins.items())) + ". "
+        "**Megatron-LM main @ commit (date)** rows come from a source snapshot of that commit's `megatron/core` "
+        "(`scripts/upstream_matrix.sh --megatron-main <Megatron-LM git dir>`; version `<package_info>+<commit>`), "
+        "measured the same way; CI checks only the rows of the installed versions.",
         "",
         "| fix | distribution | version | probe | reason | stock run |",
         "| --- | --- | --- | --- | --- | --- |",
     ]
-    lines += [
-        f"| {row['name']} | {row['distribution']} | {row['version']} | **{row['verdict']}** | "
-        f"{cell(row['reason'])} | {cell(row['run'])} |"
-        for row in rows
-    ]
+    body = [table_line(row) for row in rows]
+    for line in kept:  # after the last row of its fix
+        name = line.split("|")[1].strip()
+        at = max((i for i, other in enumerate(body) if other.split("|")[1].strip() == name), default=len(body) - 1)
+        body.insert(at + 1, line)
     SUPPORT.parent.mkdir(exist_ok=True)
-    SUPPORT.write_text("\n".join(lines) + "\n")
-    print(f"wrote {SUPPORT}")
+    SUPPORT.write_text("\n".join(lines + body) + "\n")
+    print(f"wrote {SUPPORT}" + (f" (kept {len(kept)} Megatron-LM main rows)" if kept else ""))
 
 
 if __name__ == "__main__":

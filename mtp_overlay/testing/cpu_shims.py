@@ -15,6 +15,11 @@ What needs a shim on a CPU machine (megatron-core 0.19.x, local spec):
 * ``HybridStack`` builds its final norm as ``TENorm`` whatever the layer spec
   (``models/hybrid/hybrid_block.py``, ``self.final_norm = TENorm(...)``): it gets ``WrappedTorchNorm``.
 * The default causal mask is allocated on ``"cuda"``: it is built on the CPU.
+* Megatron-LM main (d98e8a64, 2026-08-22; megatron-core 0.20.0): ``MultiTokenPredictionLayer`` asks
+  ``is_inference_column_parallel_linear`` of its ``eh_proj`` (``transformer/multi_token_prediction.py:1193``),
+  whose isinstance against TE-derived classes raises without TE
+  (``tensor_parallel/inference_layers.py:564``): the same test over what are classes (none: False).
+  Skipped on releases without that check (0.19.2 and earlier).
 * Context parallelism and packed (THD) sequences: ``DotProductAttention`` asserts that CP needs TE
   (``transformer/dot_product_attention.py`` ``__init__``) and refuses ``packed_seq_params``
   (``forward``), so under CP > 1 or with packed input it runs an exact causal attention
@@ -50,6 +55,7 @@ import builtins
 import contextlib
 import dataclasses
 import functools
+import importlib
 import importlib.util
 import types
 
@@ -155,7 +161,11 @@ def shims():
         torch.set_rng_state(new_state)
 
     hybrid = [Shim(module, "TENorm", torch_norm.WrappedTorchNorm) for module in _hybrid_block()]
-    return hybrid + [
+    main = [
+        Shim(module, "is_inference_column_parallel_linear", _is_inference_column_parallel_linear)
+        for module in _having("megatron.core.transformer.multi_token_prediction", "is_inference_column_parallel_linear")
+    ]
+    return hybrid + main + [
         Shim(torch.cuda, "current_device", _cpu_device),
         Shim(random, "_get_cuda_rng_state", get_rng_state),
         Shim(random, "_set_cuda_rng_state", set_rng_state),
@@ -183,6 +193,33 @@ def _hybrid_block():
     except ImportError:
         return []
     return [hybrid_block]
+
+
+def _having(module_name, attribute):
+    """[module ``module_name``] if it imports and has ``attribute``, else []: a shim for one upstream
+    line is skipped on the releases that lack that line."""
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError:
+        return []
+    return [module] if attribute in vars(module) else []
+
+
+def _is_inference_column_parallel_linear(module):
+    """Megatron-LM main (d98e8a64) ``is_inference_column_parallel_linear`` without Transformer Engine.
+
+    ``tensor_parallel/inference_layers.py:564`` calls ``isinstance(module, (InferenceColumnParallelLinear,
+    InferenceLayerNormColumnParallelLinear))``; without TE those subclass ``extensions/transformer_engine.py``'s
+    ``te = MagicMock()`` (line 84), so they are MagicMock instances, not classes, and the isinstance raises
+    TypeError. ``MultiTokenPredictionLayer.__init__`` (``transformer/multi_token_prediction.py:1193``, and
+    line 1243) asks it of every MTP layer. The same test over the two names that are classes: no module is
+    an instance of a TE layer that does not exist, so here it answers False.
+    """
+    from megatron.core.tensor_parallel import inference_layers
+
+    names = ("InferenceColumnParallelLinear", "InferenceLayerNormColumnParallelLinear")
+    classes = tuple(found for found in (getattr(inference_layers, name) for name in names) if isinstance(found, type))
+    return isinstance(module, classes)
 
 
 def _cpu_device():

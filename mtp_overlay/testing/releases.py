@@ -153,3 +153,65 @@ def link_installed(distribution, destination, site=None, copies=()):
         if source.is_dir() and top != "..":
             shutil.copytree(source, destination / top, dirs_exist_ok=True, copy_function=place)
     return destination
+
+
+SNAPSHOT_FILE = "SNAPSHOT.json"  # commit, short, date, version, source of a source snapshot's folder
+
+
+def megatron_main_site(git_dir, destination_root, commit="HEAD"):
+    """Megatron-LM ``commit`` (default: the checkout's HEAD) as an importable site: its
+    ``megatron/core`` package, a ``megatron_core`` dist-info, and ``SNAPSHOT.json``.
+
+    ``git_dir``: a Megatron-LM git directory (a bare mirror needs no work tree). The folder is
+    ``destination_root/<short commit>``, made once. The dist-info's version is what
+    ``megatron/core/package_info.py`` reports in a git checkout, ``<major.minor.patch><pre>+<short
+    commit>``: a PEP 440 local version no release on an index can carry, so a main row never passes
+    for a pinned release. Put the folder first on ``PYTHONPATH`` and ``megatron.core`` and
+    ``importlib.metadata.version("megatron-core")`` answer from it.
+    """
+    import ast
+    import json
+
+    def git(*args):
+        return subprocess.run(["git", "--git-dir", str(git_dir), *args], capture_output=True, text=True,
+                              check=True).stdout.strip()
+
+    try:
+        full, date = git("log", "-1", "--format=%H %cs", commit).split()
+    except subprocess.CalledProcessError as exc:
+        raise ValueError(f"git_dir: {git_dir} has no commit {commit!r}: {exc.stderr.strip()}") from None
+    short = git("rev-parse", "--short", full)
+    target = Path(destination_root) / short
+    if (target / SNAPSHOT_FILE).exists():
+        return target
+    names = {}
+    for node in ast.parse(git("show", f"{full}:megatron/core/package_info.py")).body:
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant):
+            names.update({t.id: node.value.value for t in node.targets if isinstance(t, ast.Name)})
+    version = f"{names['MAJOR']}.{names['MINOR']}.{names['PATCH']}{names['PRE_RELEASE']}+{short}"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{short}-", dir=target.parent))
+    try:
+        archive = subprocess.run(["git", "--git-dir", str(git_dir), "archive", full, "megatron/core"],
+                                 capture_output=True, check=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(staging)], input=archive, check=True)
+        info = staging / f"megatron_core-{version}.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: megatron-core\nVersion: {version}\n")
+        (info / "top_level.txt").write_text("megatron\n")
+        (info / "INSTALLER").write_text("mtp-overlay source snapshot\n")
+        snapshot = dict(commit=full, short=short, date=date, version=version, source=str(git_dir))
+        (staging / SNAPSHOT_FILE).write_text(json.dumps(snapshot, indent=1) + "\n")
+        shutil.rmtree(target, ignore_errors=True)
+        staging.rename(target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def snapshot_of(site):
+    """The SNAPSHOT.json of a `megatron_main_site` folder as a dict, or None for any other folder."""
+    import json
+
+    found = Path(site) / SNAPSHOT_FILE
+    return json.loads(found.read_text()) if found.exists() else None

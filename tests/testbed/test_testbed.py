@@ -207,6 +207,54 @@ def test_cpu_shims_install_and_restore_the_originals():
     assert all(vars(s.owner)[s.attribute] is o for s, o in zip(shims, originals))
 
 
+MAIN_INFERENCE_CHECK = """
+
+from megatron.core.tensor_parallel import inference_layers as _inference_layers
+
+
+def is_inference_column_parallel_linear(module):  # Megatron-LM main's test (d98e8a64 inference_layers.py:564)
+    return isinstance(
+        module, (_inference_layers.InferenceColumnParallelLinear, _inference_layers.InferenceLayerNormColumnParallelLinear)
+    )
+"""
+
+MAIN_SHIM_CHECK = """
+import torch
+from megatron.core.transformer import multi_token_prediction as mtp
+from mtp_overlay.testing import cpu_shims
+linear = torch.nn.Linear(2, 2)
+original = mtp.is_inference_column_parallel_linear
+try:
+    original(linear)
+except TypeError as exc:
+    print("stock:", exc)
+with cpu_shims.cpu_shims():
+    print("shimmed:", mtp.is_inference_column_parallel_linear(linear))
+print("restored:", mtp.is_inference_column_parallel_linear is original)
+"""
+
+
+def test_main_inference_linear_shim_applies_only_where_upstream_has_the_check(tmp_path):
+    """Megatron-LM main asks every MTP layer ``is_inference_column_parallel_linear``, whose isinstance
+    fails without Transformer Engine. The pinned release has no such check (the shim is skipped); a
+    copy of it given main's check fails the same way, and the shim answers False and is taken back."""
+    from megatron.core.transformer import multi_token_prediction
+
+    from mtp_overlay.testing import cpu_shims
+    from mtp_overlay.testing.releases import copy_installed, run_with_release
+
+    assert "is_inference_column_parallel_linear" not in vars(multi_token_prediction)
+    assert not [s for s in cpu_shims.shims() if s.attribute == "is_inference_column_parallel_linear"]
+    site = copy_installed("megatron-core", tmp_path / "site")
+    with open(site / "megatron" / "core" / "transformer" / "multi_token_prediction.py", "a") as module:
+        module.write(MAIN_INFERENCE_CHECK)
+    result = run_with_release(site, MAIN_SHIM_CHECK)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.splitlines() == [
+        "stock: isinstance() arg 2 must be a type, a tuple of types, or a union", "shimmed: False", "restored: True",
+    ]
+
+
 def test_plugin_is_opt_in_then_skips_gpu_tests_and_serves_the_launcher(tmp_path):
     """An environment with mtp-overlay installed leaves a user's own pytest run unpatched, unless asked."""
     import torch

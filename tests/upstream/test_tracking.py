@@ -1,5 +1,6 @@
 """Upstream tracking on real upstream copies: the committed support matrix is current for
-the default pins, and a fix that upstream absorbed or that stopped fitting fails CI loudly."""
+the default pins, a fix that upstream absorbed or that stopped fitting fails CI loudly, and a stock
+path the test bed cannot run is its own one-line outcome."""
 
 import os
 import re
@@ -8,13 +9,15 @@ import sys
 from pathlib import Path
 
 import pytest
+from packaging.version import Version
 
 from mtp_overlay import registry
-from mtp_overlay.testing.releases import copy_installed, run_with_release
+from mtp_overlay.testing.releases import copy_installed, megatron_main_site, run_with_release, snapshot_of
 
 ROOT = Path(__file__).resolve().parents[2]
 PATCH = ROOT / "patches" / "mtp-sp-scatter" / "megatron-core" / "0.19.patch"
 ROW = re.compile(r"^\| (?P<name>[\w-]+) \| (?P<dist>[\w.-]+) \| (?P<version>[\w.]+) \| \*\*(?P<state>\w+)\*\* \|")
+MAIN_ROW = re.compile(r"^\| [\w-]+ \| megatron-core \| Megatron-LM main @ [0-9a-f]{7,40} \(\d{4}-\d\d-\d\d\) \| \*\*\w+\*\* \|")
 
 
 def committed_matrix():
@@ -62,13 +65,125 @@ def test_check_fails_on_drift(tmp_path):
     assert result.returncode == 1 and "drifted" in result.stdout and "no _get_embeddings" in result.stdout
 
 
-def test_tracking_test_names_the_absorbed_fix_and_what_to_do(fixed_upstream, tmp_path):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(fixed_upstream), os.environ.get("PYTHONPATH")]))}
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "--pyargs", "mtp_overlay.upstream_tests", "-k", "mtp-sp-scatter",
+def tracking_tests(site, cwd, fix):
+    """``pytest --pyargs mtp_overlay.upstream_tests`` for ``fix`` with ``site`` first on the path."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))}
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "--pyargs", "mtp_overlay.upstream_tests", "-k", fix,
          "-q", "-p", "no:cacheprovider"],
-        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=900,
+        capture_output=True, text=True, env=env, cwd=cwd, timeout=900,
     )
+
+
+def test_tracking_test_names_the_absorbed_fix_and_what_to_do(fixed_upstream, tmp_path):
+    result = tracking_tests(fixed_upstream, tmp_path, "mtp-sp-scatter")
     assert result.returncode == 1, result.stdout[-3000:]
     assert "mtp-sp-scatter is REDUNDANT on megatron-core 0.19.2" in result.stdout
     assert "Applied-Upstream" in result.stdout and "first_fixed_release" in result.stdout
+
+
+def test_tracking_test_says_when_the_test_bed_cannot_run_the_stock_path(tmp_path):
+    """Megatron-LM main (d98e8a64) without Transformer Engine: building an MTP layer runs an isinstance
+    against a MagicMock (`cpu_shims._is_inference_column_parallel_linear`). The same failure, put into
+    a copy of the installed release, must read as the test bed's problem: one line, no traceback."""
+    site = copy_installed("megatron-core", tmp_path / "site")
+    module = site / "megatron" / "core" / "transformer" / "multi_token_prediction.py"
+    text = module.read_text()
+    anchor = "        self.eh_proj = build_module("
+    assert text.count(anchor) == 1
+    line = text[: text.index(anchor)].count("\n") + 1
+    module.write_text(text.replace(anchor, '        isinstance(self, __import__("unittest.mock").mock.MagicMock())\n' + anchor))
+    result = tracking_tests(site, tmp_path, "mtp-sp-scatter")
+    assert result.returncode == 1, result.stdout[-3000:]
+    expected = (
+        "mtp-sp-scatter: could not run the stock path on megatron-core 0.19.2: TypeError: isinstance() arg 2 must "
+        "be a type, a tuple of types, or a union when instantiating MultiTokenPredictionLayer "
+        f"(at megatron/core/transformer/multi_token_prediction.py:{line}); the test bed needs updating"
+    )
+    report = result.stdout.split("= FAILURES =", 1)[-1].split("short test summary", 1)[0]
+    assert expected in report, result.stdout[-3000:]
+    for noise in ("Traceback", "During handling", "RanksFailed", "rank 0", "rank 1"):
+        assert noise not in report, f"{noise!r} in the report:\n{report}"
+
+
+def make_megatron_lm(root):
+    """A git repository shaped like Megatron-LM: megatron/core with a package_info.py, one commit."""
+    core = root / "megatron" / "core"
+    core.mkdir(parents=True)
+    (core / "__init__.py").write_text("from .package_info import __version__\n")
+    (core / "package_info.py").write_text("MAJOR = 0\nMINOR = 99\nPATCH = 0\nPRE_RELEASE = 'rc0'\n"
+                                          "__version__ = '0.99.0rc0'\n")
+    (root / "README.md").write_text("not part of megatron/core\n")
+
+    def git(*args):
+        return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=root,
+                              check=True, capture_output=True, text=True).stdout.strip()
+
+    git("init", "-q")
+    git("add", ".")
+    git("commit", "-q", "-m", "snapshot")
+    return root / ".git", git("rev-parse", "HEAD")
+
+
+def test_megatron_main_snapshot_imports_with_a_version_no_release_can_have(tmp_path):
+    git_dir, commit = make_megatron_lm(tmp_path / "Megatron-LM")
+    site = megatron_main_site(git_dir, tmp_path / "snapshots")
+    facts = snapshot_of(site)
+    assert facts["commit"] == commit and commit.startswith(facts["short"]) and site.name == facts["short"]
+    assert facts["version"] == f"0.99.0rc0+{facts['short']}"
+    assert not (site / "README.md").exists() and megatron_main_site(git_dir, tmp_path / "snapshots") == site
+    code = ("import importlib.metadata as m, megatron.core as c; "
+            "print(m.version('megatron-core'), c.__version__, c.__file__)")
+    version, package_version, where = run_with_release(site, code).stdout.split()
+    assert version == facts["version"] and package_version == "0.99.0rc0" and where.startswith(str(site))
+    assert Version(version).local == facts["short"]  # a local version: never on an index, never a pin
+    with pytest.raises(ValueError, match="git_dir: .* has no commit 'nope'"):
+        megatron_main_site(git_dir, tmp_path / "snapshots", commit="nope")
+
+
+def test_megatron_main_rows_are_never_read_as_rows_of_a_pinned_release():
+    lines = (ROOT / "docs" / "SUPPORT.md").read_text().splitlines()
+    main_rows = [line for line in lines if "Megatron-LM main @" in line and line.startswith("| ")]
+    assert all(MAIN_ROW.match(line) and not ROW.match(line) for line in main_rows), main_rows
+
+
+@pytest.fixture
+def support_matrix(monkeypatch, tmp_path):
+    """scripts/support_matrix.py writing to a copy of docs/SUPPORT.md, its releases measured by ``measured``."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("support_matrix", ROOT / "scripts" / "support_matrix.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    support = tmp_path / "SUPPORT.md"
+    support.write_text((ROOT / "docs" / "SUPPORT.md").read_text())
+    monkeypatch.setattr(script, "SUPPORT", support)
+    monkeypatch.setattr(script, "RELEASES", {"megatron-core": ["0.19.2"]})
+    monkeypatch.setattr(script, "release_site", lambda distribution, version: f"site-{version}")
+    return script
+
+
+def measured(version):
+    def measure(distribution, site):
+        return [dict(name=name, distribution="megatron-core", version=version(site), verdict="needed",
+                     reason="r", run="needed: e") for name in ("mtp-sp-scatter", "mtp-loss-mask")]
+    return measure
+
+
+def test_support_matrix_adds_main_rows_from_a_snapshot_and_keeps_them_without_one(support_matrix, monkeypatch, tmp_path):
+    git_dir, _ = make_megatron_lm(tmp_path / "Megatron-LM")
+    site = megatron_main_site(git_dir, tmp_path / "snapshots")
+    facts = snapshot_of(site)
+    monkeypatch.setattr(support_matrix, "measure", measured(lambda s: facts["version"] if s == site else "0.19.2"))
+    support_matrix.main(["--megatron-main", str(site)])
+    label = f"Megatron-LM main @ {facts['short']} ({facts['date']})"
+    rows = [line for line in support_matrix.SUPPORT.read_text().splitlines() if line.startswith("| mtp-")]
+    assert [line.split(" | ")[2] for line in rows] == ["0.19.2", label, "0.19.2", label]
+    assert all(MAIN_ROW.match(line) for line in rows[1::2]) and not any(ROW.match(line) for line in rows[1::2])
+
+    monkeypatch.setattr(support_matrix, "measure", measured(lambda s: "0.19.2"))
+    support_matrix.main([])  # no snapshot: the main rows stay, each after its fix's releases
+    assert [line for line in support_matrix.SUPPORT.read_text().splitlines() if line.startswith("| mtp-")] == rows
+
+    with pytest.raises(SystemExit, match="--megatron-main: .* is neither a Megatron-LM git directory nor a snapshot"):
+        support_matrix.main(["--megatron-main", str(tmp_path)])
