@@ -1,6 +1,6 @@
 """Run functions on N spawned torch.distributed ranks with Megatron model parallelism set up.
 
-A `RankPool` spawns ``world_size`` processes once; each joins a process group on 127.0.0.1 (gloo on
+A `RankPool` starts ``world_size`` processes once (forked from `preloaded`'s server, as spawned ones); each joins a process group on 127.0.0.1 (gloo on
 CPU, nccl on CUDA) and calls ``parallel_state.initialize_model_parallel(tp, 1, cp)``. Every
 ``pool.run(fn)`` then installs the asked-for fixes in the ranks, seeds every generator (torch,
 Python, Megatron's model-parallel RNG tracker) and runs ``fn(*args, **kwargs)`` on every rank: the
@@ -16,7 +16,6 @@ run failed starts fresh ranks for its next run.
 import atexit
 import collections
 import dataclasses
-import multiprocessing
 import multiprocessing.connection
 import os
 import pickle
@@ -24,6 +23,8 @@ import socket
 import sys
 import time
 import traceback
+
+from . import preloaded
 
 FAILURE_GRACE_S = 10.0
 DEVICES = ("cpu", "cuda")
@@ -120,11 +121,11 @@ class RankPool:
         self.close()
 
     def _start(self):
-        context = multiprocessing.get_context("spawn")
+        context = preloaded.context()
         port = _free_port()
         for rank in range(self.world_size):
             ours, theirs = context.Pipe(duplex=True)
-            setup = dict(rank=rank, world_size=self.world_size, port=port, seed=self.seed)
+            setup = dict(rank=rank, world_size=self.world_size, port=port, seed=self.seed, environ=dict(os.environ))
             setup.update(tp=self.tp, cp=self.cp, device=self.device, log=self.log)
             self._processes[rank] = context.Process(target=_worker, args=(setup, theirs), daemon=True)
             self._connections[rank] = ours
@@ -226,7 +227,12 @@ def _collect(connections, processes, timeout):
 
 
 def _worker(setup, connection):
-    """A rank: set up once, then run each job sent until an empty message (or EOF) ends it."""
+    """A rank: set up once, then run each job sent until an empty message (or EOF) ends it.
+
+    Forked from the preloaded server, which multiprocessing prepares as a spawned process (the
+    caller's sys.path, working folder and ``__main__``): the caller's environment is set here."""
+    os.environ.clear()
+    os.environ.update(setup["environ"])
     if setup["log"] is not None:
         _redirect_output(setup["log"])
     rank = setup["rank"]

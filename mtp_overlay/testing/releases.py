@@ -40,12 +40,13 @@ def release_site(distribution, version):
 
 
 def run_with_release(site, code, env=None, timeout=600):
-    """Run ``python -c code`` with ``site`` first on the path; returns the CompletedProcess."""
+    """Run ``python -c code`` with ``site`` first on the path (forked from the preloaded server, with
+    torch already imported); returns the CompletedProcess."""
+    from .preloaded import run_python
+
     environment = dict(os.environ if env is None else env)
     environment["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), environment.get("PYTHONPATH")]))
-    return subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=environment, timeout=timeout
-    )
+    return run_python(code, environment, timeout)
 
 
 def installed_site(distribution):

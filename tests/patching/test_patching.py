@@ -576,6 +576,11 @@ def test_container_build_script_patches_and_fails_the_build_on_a_mismatch(tmp_pa
     assert every >= {"mtp-sp-scatter", "mtp-packed-roll", "mtp-cp-loss-scale"}  # all of them share this file
     assert sha(purelib / MODULE) == load().images["megatron-core"]["0.19.2"][MODULE][every]
     assert "patched -> applied" in first.stdout
+    # the installed package carries the startup hook's .pth as package data
+    hook = subprocess.run([python, "-m", "mtp_overlay.cli", "startup-hook", "install"], capture_output=True, text=True)
+    assert hook.returncode == 0 and (purelib / "mtp_overlay_startup.pth").read_text() == (
+        REPO / "hooks" / "mtp_overlay_startup.pth"
+    ).read_text()
 
     with zipfile.ZipFile(wheel("0.19.2")) as archive:
         (purelib / MODULE).write_bytes(archive.read(MODULE) + b"# a local edit\n")

@@ -60,6 +60,7 @@ class Recorder(torch.nn.Module):
     def __init__(self, cp_rank):
         super().__init__()
         self.config = types.SimpleNamespace(mtp_num_layers=1)
+        self.model_type = "encoder_or_decoder"
         group = types.SimpleNamespace(size=lambda: 2, rank=lambda: cp_rank)
         self.pg_collection = types.SimpleNamespace(cp=group)
 

@@ -213,9 +213,10 @@ def cp2_worker(batch):
 
 @pytest.fixture(scope="module")
 def cp2_run():
-    """One spawned CP=2 run for every CP=2 assertion below (a spawn costs seconds of imports)."""
+    """One spawned CP=2 run for every CP=2 assertion below (a spawn costs seconds of imports); a fresh
+    pool, never a shared one: stock's failure leaves its ranks' exchanges out of step."""
     batch = draw_packs(packs(2), 200)
-    return batch, run_ranks_checked(cp2_worker, 2, cp=2, args=(batch,), fixes=[FIX], timeout=600)
+    return batch, run_ranks_checked(cp2_worker, 2, cp=2, args=(batch,), fixes=[FIX], timeout=600, fresh=True)
 
 
 def test_cp2_roll_matches_the_per_sequence_reference_on_hypothesis_packs(cp2_run):
