@@ -30,13 +30,13 @@ def context():
     return forkserver
 
 
-def run_python(code, env, timeout):
-    """What ``subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-    timeout=timeout)`` returns, run in a child of the preloaded server (a real subprocess when ``env``
-    sets a variable only interpreter start-up reads)."""
+def run_python(code, env, timeout, cwd=None):
+    """What ``subprocess.run([sys.executable, "-c", code], env=env, cwd=cwd, capture_output=True,
+    text=True, timeout=timeout)`` returns, run in a child of the preloaded server (a real subprocess
+    when ``env`` sets a variable only interpreter start-up reads)."""
     command = [sys.executable, "-c", code]
     if any(name in env for name in INTERPRETER_VARIABLES):
-        return subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout)
+        return subprocess.run(command, capture_output=True, text=True, env=env, cwd=cwd, timeout=timeout)
     if not _fresh_path:
         clean = {key: value for key, value in env.items() if key != "PYTHONPATH"}
         shown = subprocess.run([sys.executable, "-c", "import sys, json; print(json.dumps(sys.path[1:]))"],
@@ -44,7 +44,8 @@ def run_python(code, env, timeout):
         _fresh_path.extend(json.loads(shown.stdout))
     with tempfile.TemporaryDirectory(prefix="mtp-overlay-python-") as folder:
         out, err = Path(folder, "stdout"), Path(folder, "stderr")
-        names = dict(code=code, env=dict(env), fresh_path=list(_fresh_path), out=str(out), err=str(err))
+        names = dict(code=code, env=dict(env), fresh_path=list(_fresh_path), out=str(out), err=str(err),
+                     cwd=os.fspath(cwd or os.getcwd()))
         child = context().Process(target=exec, args=(_PYTHON_CHILD, names))
         caller_main = sys.modules["__main__"]
         sys.modules["__main__"] = types.ModuleType("__main__")  # multiprocessing would import ours in the child
@@ -70,6 +71,7 @@ for descriptor, path in ((1, out), (2, err)):
     os.close(opened)
 os.environ.clear()
 os.environ.update(env)
+os.chdir(cwd)
 sys.path[:] = ["", *filter(None, env.get("PYTHONPATH", "").split(os.pathsep)), *fresh_path]
 sys.argv = ["-c"]
 main = sys.modules["__main__"] = types.ModuleType("__main__")

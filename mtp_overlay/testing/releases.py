@@ -39,14 +39,14 @@ def release_site(distribution, version):
     return target
 
 
-def run_with_release(site, code, env=None, timeout=600):
-    """Run ``python -c code`` with ``site`` first on the path (forked from the preloaded server, with
-    torch already imported); returns the CompletedProcess."""
+def run_with_release(site, code, env=None, timeout=600, cwd=None):
+    """Run ``python -c code`` (in ``cwd``) with ``site`` first on the path, forked from the preloaded
+    server (torch already imported); returns the CompletedProcess."""
     from .preloaded import run_python
 
     environment = dict(os.environ if env is None else env)
     environment["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), environment.get("PYTHONPATH")]))
-    return run_python(code, environment, timeout)
+    return run_python(code, environment, timeout, cwd=cwd)
 
 
 def installed_site(distribution):

@@ -8,18 +8,17 @@ interpreter per fix.
 """
 
 import json
-import subprocess
-import sys
+import os
 
 import pytest
 
 from mtp_overlay import registry
 from mtp_overlay.contract import distribution_version
+from mtp_overlay.testing.preloaded import run_python
 
 SCENARIOS = r"""
 import importlib, json, os, sys, warnings
 warnings.simplefilter("ignore")
-name = sys.argv[1]
 import mtp_overlay
 from mtp_overlay import OverlayError, OverlayWarning, State, registry
 
@@ -101,7 +100,7 @@ def test_fix_lifecycle_on_its_real_targets(name):
     fix = registry.get(name)
     if distribution_version(fix.distribution) is None:
         pytest.skip(f"{fix.distribution} is not installed")
-    result = subprocess.run([sys.executable, "-c", SCENARIOS, name], capture_output=True, text=True, timeout=600)
+    result = run_python(f"name = {name!r}\n" + SCENARIOS, dict(os.environ), timeout=600)
     lines = [line for line in result.stdout.splitlines() if line.startswith("FACTS ")]
     assert lines, result.stderr[-3000:]
     facts = json.loads(lines[-1][len("FACTS "):])

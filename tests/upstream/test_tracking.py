@@ -2,10 +2,8 @@
 the default pins, a fix that upstream absorbed or that stopped fitting fails CI loudly, and a stock
 path the test bed cannot run is its own one-line outcome."""
 
-import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -67,12 +65,8 @@ def test_check_fails_on_drift(tmp_path):
 
 def tracking_tests(site, cwd, fix):
     """``pytest --pyargs mtp_overlay.upstream_tests`` for ``fix`` with ``site`` first on the path."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))}
-    return subprocess.run(
-        [sys.executable, "-m", "pytest", "--pyargs", "mtp_overlay.upstream_tests", "-k", fix,
-         "-q", "-p", "no:cacheprovider"],
-        capture_output=True, text=True, env=env, cwd=cwd, timeout=900,
-    )
+    arguments = ["--pyargs", "mtp_overlay.upstream_tests", "-k", fix, "-q", "-p", "no:cacheprovider"]
+    return run_with_release(site, f"import sys, pytest; sys.exit(pytest.main({arguments!r}))", cwd=cwd, timeout=900)
 
 
 def test_tracking_test_names_the_absorbed_fix_and_what_to_do(fixed_upstream, tmp_path):

@@ -6,15 +6,16 @@ interpreter (vLLM's process-group state stays out of the caller), feeds its stoc
 """
 
 import json
-import subprocess
-import sys
+import os
 
 _SCRIPT = "from mtp_overlay.testing.reproducers.vllm_mtp_drafter_load import _run; _run()"
 
 
 def reproduce():
     """(bug shows, evidence): the stock drafter returned normally, loaded no MTP parameter, kept its values."""
-    result = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True, timeout=900)
+    from ..preloaded import run_python
+
+    result = run_python(_SCRIPT, dict(os.environ), timeout=900)
     if result.returncode != 0:
         raise RuntimeError(f"the reproducer's interpreter failed:\n{result.stderr[-3000:]}")
     found = json.loads(result.stdout.strip().splitlines()[-1])

@@ -8,9 +8,7 @@ scaffolding from `mtp_overlay.testing.streams`.
 """
 
 import json
-import multiprocessing
-import subprocess
-import sys
+import os
 import types
 from unittest import mock
 
@@ -24,6 +22,7 @@ from mtp_overlay.contract import State
 from mtp_overlay.fixes.device_normalized_broadcast import FIX, to_device_stream
 from mtp_overlay.lifecycle import Lifecycle
 from mtp_overlay.testing.launcher import _free_port
+from mtp_overlay.testing import preloaded
 from mtp_overlay.testing.releases import edited_module, release_site, run_with_release
 from mtp_overlay.testing.reproducers import reproduce
 from mtp_overlay.testing.streams import RecordingCommunicator, host_streams
@@ -282,7 +281,7 @@ def test_gloo_broadcast_of_an_all_on_device_stream_delivers_the_same_bytes_stock
     """No regression in the byte stream: every tensor is already on the communicator's device, so stock
     and fixed must both deliver exactly the sent bytes through vLLM's real producer, consumer and engine
     over a real gloo broadcast. The bug itself is shown by the mixed-device tests above."""
-    context = multiprocessing.get_context("spawn")
+    context = preloaded.context()
     port, processes, readers = _free_port(), [], []
     for rank in range(2):
         reader, writer = context.Pipe(duplex=False)
@@ -503,7 +502,7 @@ def test_late_install_applies_and_uninstall_restores_every_binding_by_identity(o
 IMPORT_ORDER = """
 import json, sys, types, warnings
 warnings.simplefilter("ignore")
-overlay_first = sys.argv[1] == "overlay-first"
+overlay_first = ORDER == "overlay-first"
 if overlay_first:
     import mtp_overlay
 from vllm.distributed.weight_transfer import nccl_engine, packed_tensor
@@ -526,8 +525,7 @@ print(json.dumps({"state": row.state, "late": row.late, "wrapped": wrapped, "res
 def test_every_binding_is_wrapped_once_and_restored_whatever_the_import_order(order):
     """Overlay first: the engine's ``from packed_tensor import`` binds an already hooked producer;
     vLLM first: the install is late. Either way each binding wraps the plain original once."""
-    command = [sys.executable, "-c", IMPORT_ORDER, order]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    result = preloaded.run_python(f"ORDER = {order!r}\n" + IMPORT_ORDER, dict(os.environ), timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     row = json.loads(result.stdout.strip().splitlines()[-1])
     expected = {"state": "installed", "late": order == "vllm-first", "same_producer": True}

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from mtp_overlay.testing.launcher import run_ranks, run_ranks_checked
-from mtp_overlay.testing.releases import copy_installed, release_site
+from mtp_overlay.testing.releases import copy_installed, release_site, run_with_release
 
 FIX = "mtp-sp-scatter"
 NOT_SCATTERING = dict(sequence_parallel=True, scatter_embedding_sequence_parallel=False)
@@ -136,18 +136,14 @@ def test_upstream_fix_in_another_spelling_is_never_applied_twice_and_check_run_s
     an alias) and installs the hook: the hook checks the tensor, sees it already scattered and leaves
     it (the step equals TP1's); `mtp-overlay check --run` runs the stock path, finds no bug, and says
     the probe and the run disagree (exit 1)."""
-    import os
-    import sys
-
     site = copy_installed("megatron-core", tmp_path / "site")
     module = site / "megatron" / "core" / "transformer" / "multi_token_prediction.py"
     source = module.read_text()
     old, new = ALIAS_SPELLING
     assert source.count(old) == 1
     module.write_text(source.replace(old, new) + "\n_scatter_for_mtp = scatter_to_sequence_parallel_region\n")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))}
-    checked = subprocess.run([sys.executable, "-m", "mtp_overlay.cli", "check", "--only", FIX, "--run"],
-                             capture_output=True, text=True, env=env, timeout=600)
+    checked = run_with_release(site, f"import sys; from mtp_overlay.cli import main; "
+                                     f"sys.exit(main(['check', '--only', {FIX!r}, '--run']))")
     assert checked.returncode == 1, checked.stdout + checked.stderr
     assert "disagrees" in checked.stdout and "the probe says needed" in checked.stdout
     monkeypatch.syspath_prepend(str(site))  # spawned ranks import the edited copy
