@@ -20,7 +20,10 @@ from pathlib import Path
 PRELOAD = ["torch", "torch._dynamo", "torch._inductor.compile_fx", "flashinfer"]
 # read once at interpreter start: a child that needs one is a real subprocess
 INTERPRETER_VARIABLES = ("PYTHONWARNINGS", "PYTHONSTARTUP", "PYTHONHOME", "PYTHONNOUSERSITE", "PYTHONSAFEPATH")
-_fresh_path = []  # sys.path of `python -c` without PYTHONPATH, past its leading ''
+# sys.path of `python -c` run with PYTHONPATH=_PYTHONPATH_SLOT: a child's PYTHONPATH entries go where the
+# slot is (site's .pth files insert entries too, before or after); absolute, so Python keeps it as is
+_PYTHONPATH_SLOT = "/<PYTHONPATH>"
+_fresh_path = []
 
 
 def context():
@@ -38,13 +41,14 @@ def run_python(code, env, timeout, cwd=None):
     if any(name in env for name in INTERPRETER_VARIABLES):
         return subprocess.run(command, capture_output=True, text=True, env=env, cwd=cwd, timeout=timeout)
     if not _fresh_path:
-        clean = {key: value for key, value in env.items() if key != "PYTHONPATH"}
-        shown = subprocess.run([sys.executable, "-c", "import sys, json; print(json.dumps(sys.path[1:]))"],
-                               capture_output=True, text=True, env=clean, check=True)
+        shown = subprocess.run([sys.executable, "-c", "import sys, json; print(json.dumps(sys.path))"],
+                               capture_output=True, text=True, env={**env, "PYTHONPATH": _PYTHONPATH_SLOT}, check=True)
         _fresh_path.extend(json.loads(shown.stdout))
+    entries = [entry for entry in env.get("PYTHONPATH", "").split(os.pathsep) if entry]
+    path = [part for entry in _fresh_path for part in (entries if entry == _PYTHONPATH_SLOT else [entry])]
     with tempfile.TemporaryDirectory(prefix="mtp-overlay-python-") as folder:
         out, err = Path(folder, "stdout"), Path(folder, "stderr")
-        names = dict(code=code, env=dict(env), fresh_path=list(_fresh_path), out=str(out), err=str(err),
+        names = dict(code=code, env=dict(env), sys_path=path, out=str(out), err=str(err),
                      cwd=os.fspath(cwd or os.getcwd()))
         child = context().Process(target=exec, args=(_PYTHON_CHILD, names))
         caller_main = sys.modules["__main__"]
@@ -72,7 +76,7 @@ for descriptor, path in ((1, out), (2, err)):
 os.environ.clear()
 os.environ.update(env)
 os.chdir(cwd)
-sys.path[:] = ["", *filter(None, env.get("PYTHONPATH", "").split(os.pathsep)), *fresh_path]
+sys.path[:] = sys_path
 sys.argv = ["-c"]
 main = sys.modules["__main__"] = types.ModuleType("__main__")
 status = 0

@@ -297,3 +297,41 @@ def test_plugin_is_opt_in_then_skips_gpu_tests_and_serves_the_launcher(tmp_path)
 def test_unpicklable_function_is_refused_before_any_rank_starts():
     with pytest.raises(Exception, match="pickle"):
         run_ranks(lambda: 0, 2)
+
+
+FRESH = """
+import json, os, sys
+print(json.dumps({"ours": sorted(m for m in sys.modules if m.split(".")[0] in ("mtp_overlay", "megatron", "vllm")),
+                  "path": sys.path, "cwd": os.getcwd(), "marker": os.environ.get("MARKER"), "main": __name__}))
+print("to stderr", file=sys.stderr)
+sys.exit(int(os.environ.get("STATUS", "0")))
+"""
+
+
+@pytest.mark.parametrize("status", ["0", "3"])
+def test_preloaded_child_is_a_fresh_interpreter_as_subprocess_would_start_it(status, tmp_path):
+    """run_python against `python -c` itself: the environment, PYTHONPATH first on sys.path, the working
+    folder, ``__main__``, stdout, stderr and the exit status; nothing of ours or of a fixed upstream
+    imported before the code runs (only torch's stack is)."""
+    import json
+
+    from mtp_overlay.testing.preloaded import run_python
+
+    env = {**os.environ, "MARKER": "m", "STATUS": status, "PYTHONPATH": str(tmp_path)}
+    forked = run_python(FRESH, env, timeout=120, cwd=tmp_path)
+    real = subprocess.run([sys.executable, "-c", FRESH], env=env, cwd=tmp_path, capture_output=True, text=True)
+    assert forked.returncode == real.returncode == int(status)
+    seen = json.loads(real.stdout)
+    assert json.loads(forked.stdout) == seen
+    assert seen["ours"] == [] and seen["path"][0] == "" and str(tmp_path) in seen["path"]
+    assert (seen["cwd"], seen["marker"], seen["main"]) == (str(tmp_path), "m", "__main__")
+    assert forked.stderr.endswith("to stderr\n") and real.stderr.endswith("to stderr\n")
+
+
+def test_preloaded_child_reports_an_exception_and_a_timeout():
+    from mtp_overlay.testing.preloaded import run_python
+
+    failed = run_python("raise ValueError('bad')", dict(os.environ), timeout=120)
+    assert failed.returncode == 1 and "ValueError: bad" in failed.stderr
+    with pytest.raises(subprocess.TimeoutExpired):
+        run_python("import time; time.sleep(60)", dict(os.environ), timeout=2)
