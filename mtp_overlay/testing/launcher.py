@@ -1,14 +1,15 @@
 """Run functions on N spawned torch.distributed ranks with Megatron model parallelism set up.
 
-A `RankPool` starts ``world_size`` processes once (forked from `preloaded`'s server, as spawned ones); each joins a process group on 127.0.0.1 (gloo on
-CPU, nccl on CUDA) and calls ``parallel_state.initialize_model_parallel(tp, 1, cp)``. Every
-``pool.run(fn)`` then installs the asked-for fixes in the ranks, seeds every generator (torch,
-Python, Megatron's model-parallel RNG tracker) and runs ``fn(*args, **kwargs)`` on every rank: the
-cost of starting ranks and importing torch and megatron-core is paid once per pool, not per case.
-`run_ranks` is a pool used for one call. On CPU the shims of ``cpu_shims`` are installed in the
-ranks. A rank that crashes or hangs never hangs the caller: each run is bounded by ``timeout``;
-once one rank failed, the others get ``FAILURE_GRACE_S`` before they are killed, and a pool whose
-run failed starts fresh ranks for its next run.
+A `RankPool` starts ``world_size`` processes once (forked from `preloaded`'s server, prepared as
+spawned ones); each joins a process group on 127.0.0.1 (gloo on CPU, nccl on CUDA) and calls
+``parallel_state.initialize_model_parallel(tp, 1, cp)``. Every ``pool.run(fn)`` then installs the
+asked-for fixes in the ranks, seeds every generator (torch, Python, Megatron's model-parallel RNG
+tracker) and runs ``fn(*args, **kwargs)`` on every rank: the cost of starting ranks and importing
+torch and megatron-core is paid once per pool, not per case. `run_ranks` is a pool used for one
+call. On CPU the shims of ``cpu_shims`` are installed in the ranks. A rank that crashes or hangs
+never hangs the caller: each run is bounded by ``timeout``; once one rank failed, the others get
+``FAILURE_GRACE_S`` before they are killed, and a pool whose run failed starts fresh ranks for its
+next run.
 
 ``fn`` and its arguments must be picklable (a module-level function), as must its return value.
 """

@@ -21,8 +21,8 @@ import mtp_overlay
 from mtp_overlay.contract import State
 from mtp_overlay.fixes.device_normalized_broadcast import FIX, to_device_stream
 from mtp_overlay.lifecycle import Lifecycle
-from mtp_overlay.testing.launcher import _free_port
 from mtp_overlay.testing import preloaded
+from mtp_overlay.testing.launcher import _free_port
 from mtp_overlay.testing.releases import edited_module, release_site, run_with_release
 from mtp_overlay.testing.reproducers import reproduce
 from mtp_overlay.testing.streams import RecordingCommunicator, host_streams
