@@ -397,11 +397,10 @@ class VllmMtpDrafterLoadFix(Fix):
             if names != ["self", "weights"]:
                 return drifted(f"{owner.__name__}.load_weights{tuple(names)} is no longer ('self', 'weights')")
             return needed(f"{owner.__name__}.load_weights skips unrecognised names without a word")
-        found = [name for name in RELOAD_WRAPPERS if name in vars(module)]
-        if len(found) < len(RELOAD_WRAPPERS):  # a refit's boundary needs both its begin and its end
-            missing = [name for name in RELOAD_WRAPPERS if name not in found]
+        missing = [name for name in RELOAD_WRAPPERS if name not in vars(module)]
+        if missing:  # a refit's boundary needs both its begin and its end
             return drifted(f"{module.__name__} has no {' nor '.join(missing)}")
-        for name in found:
+        for name in RELOAD_WRAPPERS:
             function = vars(module)[name]
             if self._patched(function):
                 return redundant(f"{name} already calls {self.marker.calls} (patched on disk)")
