@@ -103,7 +103,10 @@ def combine(input_ids, *, image_token_index, tokens_per_image, labels=None, loss
         if value is not None and tuple(_batch_tensor(value, name).shape) != tuple(input_ids.shape):
             raise ValueError(f"{name} must have input_ids' shape {tuple(input_ids.shape)}, got {tuple(value.shape)}")
     placeholders = int((input_ids == image_token_index).sum())
-    counts = [tokens_per_image] * placeholders if isinstance(tokens_per_image, int) else [int(c) for c in tokens_per_image]
+    if isinstance(tokens_per_image, int):
+        counts = [tokens_per_image] * placeholders
+    else:
+        counts = [int(count) for count in tokens_per_image]
     if len(counts) != placeholders or any(count < 1 for count in counts):
         raise ValueError(
             f"tokens_per_image must be a positive int or one positive count per image placeholder "

@@ -109,8 +109,9 @@ def relative_error(gradient, reference):
 class MegatronStep:
     """A built model wrapped for Megatron's training step; `step` runs one.
 
-    ``model``: a megatron-core language model (its config's ``calculate_per_token_loss`` is fixed
-    from here on: DDP derives its gradient scaling from it). ``optimizer``: "megatron" (megatron-core's
+    ``model``: a megatron-core language model, or a multimodal model around one (LLaVAModel; see the
+    module docstring) (its config's ``calculate_per_token_loss`` is fixed from here on: DDP derives
+    its gradient scaling from it). ``optimizer``: "megatron" (megatron-core's
     Adam through ``get_megatron_optimizer``) or None (gradients only). ``ddp_config``: a
     ``DistributedDataParallelConfig`` (default: megatron-core's defaults).
     """
@@ -211,10 +212,10 @@ class MegatronStep:
             mask = local["loss_mask"]
             if IMAGES in inputs:  # the combined (text + image) sequence's mask, as the model sliced it
                 if returned_mask is None or returned_mask.shape != output.shape:
+                    shape = None if returned_mask is None else tuple(returned_mask.shape)
                     raise ValueError(
                         "a multimodal model must return (output, combined loss mask of the output's shape), as "
-                        f"LLaVAModel.forward does; got mask {None if returned_mask is None else tuple(returned_mask.shape)} "
-                        f"for output {tuple(output.shape)}"
+                        f"LLaVAModel.forward does; got mask {shape} for output {tuple(output.shape)}"
                     )
                 mask = returned_mask
             return output, functools.partial(loss_function, mask)
@@ -466,7 +467,8 @@ def _finalized_grads(model, encoder=()):
     def main_grad(param):
         return getattr(param, "main_grad", None)
 
-    entries = [(name, "mtp" if name.split(".")[0] == "mtp" else "lm", flat) for name, flat in _full_flat(model, main_grad)]
+    entries = [(name, "mtp" if name.split(".")[0] == "mtp" else "lm", flat)
+               for name, flat in _full_flat(model, main_grad)]
     entries += [(name, "encoder", flat) for name, flat in _full_flat(None, main_grad, named=encoder)]
     for name, part, flat in entries:
         top = name.split(".")[0]

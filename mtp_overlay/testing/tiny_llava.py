@@ -240,7 +240,8 @@ def make_llava_batch(image_positions, *, seq_length=16, vocab_size=128, image_to
     import torch
 
     if not isinstance(image_positions, (list, tuple)) or not image_positions:
-        raise ValueError(f"image_positions must be a non-empty list of per-sample position lists, got {image_positions!r}")
+        raise ValueError(
+            f"image_positions must be a non-empty list of per-sample position lists, got {image_positions!r}")
     generator = torch.Generator().manual_seed(seed)
     stream = torch.randint(0, vocab_size - 1, (len(image_positions), seq_length + 1), generator=generator)
     stream[stream == image_token_index] = 0
@@ -325,8 +326,9 @@ def _combined_ids_reference_class():
             self.model_type = llava.model_type
 
         def set_input_tensor(self, input_tensor):
-            """Megatron's schedule hands pipeline inputs to the model (nothing to hold without pipelining)."""
-            self.language_model.set_input_tensor(input_tensor[0] if isinstance(input_tensor, list) else input_tensor)
+            """Megatron's schedule hands the model its pipeline input ([None] without pipelining); like
+            LLaVAModel with encoder and decoder on one stage, the vision model holds it."""
+            self.vision_model.set_input_tensor(input_tensor[0] if isinstance(input_tensor, list) else input_tensor)
 
         def combined_embeddings(self, images, layout):
             """[combined_length, batch, hidden]: the embedding of ``layout.ids`` at text slots, each image's
@@ -347,6 +349,8 @@ def _combined_ids_reference_class():
             return torch.where(kinds == llava_oracle.IMAGE, placed, torch.where(kinds == llava_oracle.TEXT, text, 0.0))
 
         def forward(self, images, input_ids, position_ids, attention_mask, labels=None, loss_mask=None, **kwargs):
+            """LLaVAModel's arguments (``position_ids`` unused: LLaVAModel's RoPE language model gets none
+            either, ``llava_model.py:1269``); returns ``(output, this rank's combined loss mask)``."""
             from megatron.core import parallel_state, tensor_parallel
 
             if kwargs:

@@ -51,7 +51,7 @@ PREPROCESS_CASES = {
 }
 IMAGE_TOKEN, VOCAB, TOKENS_PER_TILE, MAX_LENGTH = 127, 128, 4, 64  # tiny_llava's defaults
 STEP_BATCHES = ([[0], [5]], [[2, 9], []])  # two microbatches of combined lengths 19 and 22
-SLICED_BATCHES = ("middle", "two images and none")  # combined 19 and 22: padded under CP2, 19 under SP
+SLICED_BATCHES = ("middle", "two images and none")  # combined 19 (padded to 20) and 22 (24 under CP2)
 TYPE_ERROR = "TypeError: embedding(): argument 'indices' (position 2) must be Tensor, not NoneType"
 # at TP>1 VocabParallelEmbedding compares the ids with its vocabulary range first (layers.py:338)
 TP_TYPE_ERROR = "TypeError: '<' not supported between instances of 'NoneType' and 'int'"
@@ -95,7 +95,9 @@ def _pairs(records, microbatches):
             record = records[index * depths + depth]
             slots = llava_oracle.cp_positions(record["targets"].shape[1] * cp, cp, rank)
             trained = torch.nonzero(record["trained"], as_tuple=True)
-            pairs[index, depth + 1] = {(int(b), int(slots[p]), int(record["targets"][b, p])) for b, p in zip(*trained)}
+            pairs[index, depth + 1] = {
+                (int(b), int(slots[p]), int(record["targets"][b, p])) for b, p in zip(*trained)
+            }
     return pairs
 
 
@@ -144,8 +146,9 @@ def slicing_cases():
 
     from mtp_overlay.testing import tiny_llava
 
-    model = tiny_llava.build_tiny_llava(hybrid_layer_pattern="*-*-", sequence_parallel=parallel_state.get_tensor_model_parallel_world_size() > 1)
-    tp, cp = model.tensor_model_parallel_size_lm, model.context_parallel_lm
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    model = tiny_llava.build_tiny_llava(hybrid_layer_pattern="*-*-", sequence_parallel=tp > 1)
+    cp = model.context_parallel_lm
     sharding = dict(tp=tp, cp=cp, sequence_parallel=model.sequence_parallel_lm,
                     cp_rank=parallel_state.get_context_parallel_rank())
     results = {}
@@ -156,14 +159,16 @@ def slicing_cases():
         embeddings = index[..., None].expand(batch, length, 8).contiguous()
         if cp == 1:
             embeddings = embeddings.transpose(0, 1).contiguous()  # LLaVAModel's layout without CP: [S, b, h]
-        got, labels, mask, _ = model._process_embedding_token_parallel(embeddings, layout.labels, layout.loss_mask, None)
+        got, labels, mask, _ = model._process_embedding_token_parallel(
+            embeddings, layout.labels, layout.loss_mask, None)
         expected = llava_oracle.shard(index, pad_value=0.0, **sharding)  # [b, S_local]
         if model.sequence_parallel_lm:
             rank = parallel_state.get_tensor_model_parallel_rank()
             expected = expected[:, llava_oracle.sequence_parallel_positions(expected.shape[1], tp, rank)]
         results[name] = dict(
             embeddings=(got[..., 0].transpose(0, 1).numpy(), expected.numpy()),
-            labels=(labels.numpy(), llava_oracle.shard(layout.labels, pad_value=llava_oracle.IGNORE_INDEX, **sharding).numpy()),
+            labels=(labels.numpy(),
+                    llava_oracle.shard(layout.labels, pad_value=llava_oracle.IGNORE_INDEX, **sharding).numpy()),
             mask=(mask.numpy(), llava_oracle.shard(layout.loss_mask, pad_value=0, **sharding).numpy()),
         )
     return results
@@ -179,6 +184,7 @@ def build_without(attribute):
 
 def tp1_cases():
     """Rank worker (TP1): the stand-ins, the oracle against _preprocess_data, the stock crash."""
+    from megatron.core.models.multimodal import llava_model
     from megatron.core.models.vision import clip_vit_model
     from megatron.core.models.vision.clip_vit_model import CLIPViTModel
     from megatron.core.models.vision.vit_layer_specs import get_vit_layer_with_local_spec
@@ -188,7 +194,7 @@ def tp1_cases():
 
     results = {}
     # --- stand-ins: each needed, each against a reference
-    original_init, original_torch = vars(CLIPViTModel)["__init__"], clip_vit_model.torch
+    original = (vars(CLIPViTModel)["__init__"], clip_vit_model.torch, llava_model.is_te_min_version)
     vision = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=2, use_cpu_initialization=True)
 
     def clip():
@@ -204,12 +210,14 @@ def tp1_cases():
     torch.nn.init.normal_(model.ln_pre.bias)
     x = torch.randn(3, 5, 32)
     with torch.no_grad():
-        reference = torch.nn.functional.layer_norm(x, (32,), model.ln_pre.weight, model.ln_pre.bias, vision.layernorm_epsilon)
+        reference = torch.nn.functional.layer_norm(
+            x, (32,), model.ln_pre.weight, model.ln_pre.bias, vision.layernorm_epsilon)
     with torch.no_grad():
         difference = float((model.ln_pre(x) - reference).abs().max())
     results["ln_pre"] = (type(model.ln_pre).__name__, difference)
     results["position_ids"] = (type(model.position_ids), model.position_ids.device.type, model.position_ids.tolist())
-    results["restored"] = vars(CLIPViTModel)["__init__"] is original_init and clip_vit_model.torch is original_torch
+    after = (vars(CLIPViTModel)["__init__"], clip_vit_model.torch, llava_model.is_te_min_version)
+    results["restored"] = all(now is then for now, then in zip(after, original))
     results["LLaVAModel without __init__"] = build_without("__init__")
     results["LLaVAModel without torch"] = build_without("torch")
 
@@ -286,9 +294,10 @@ def omni_cases():
     results = {}
     for name, mtp in (("mtp", "*-"), ("plain", None)):
         model = tiny_llava.build_bridge_omni(mtp_hybrid_override_pattern=mtp)
+        llava = model.llava_model
         results[name + "/built"] = (
-            f"{type(model).__name__} -> {type(model.llava_model).__name__}({type(model.llava_model.vision_model).__name__}, "
-            f"{type(model.llava_model.language_model).__name__}, mtp={model.llava_model.language_model.mtp_process})")
+            f"{type(model).__name__} -> {type(llava).__name__}({type(llava.vision_model).__name__}, "
+            f"{type(llava.language_model).__name__}, mtp={llava.language_model.mtp_process})")
 
         def call(model=model):
             output, mask = _forward(model, dict(batch, images=torch.zeros(0, 3, 16, 16)))
@@ -510,13 +519,17 @@ def _step_arguments(**change):
     return check_step_arguments(**arguments)
 
 
+def _without_images(batch):
+    return {key: value for key, value in batch.items() if key != "images"}
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [
         (dict(labels=False), "multimodal microbatches need labels=True"),
         (dict(loss="nemo-rl", per_token=True), "multimodal microbatches need labels=True and loss"),
         (dict(mtp_grad_scale="global-valid-tokens"), "without mtp_grad_scale='global-valid-tokens'"),
-        (dict(microbatches=[_batch(STEP_BATCHES[0]), {k: v for k, v in _batch(STEP_BATCHES[0]).items() if k != "images"}]),
+        (dict(microbatches=[_batch(STEP_BATCHES[0]), _without_images(_batch(STEP_BATCHES[0]))]),
          "either every microbatch holds 'images' or none does"),
         (dict(microbatches=[dict(_batch(STEP_BATCHES[0]), images=torch.zeros(3, 32, 32))]),
          r"\['images'\] must be a \[num_images, channels, h, w\] tensor"),
