@@ -10,7 +10,7 @@ train in it, so a fix can be judged by "trained pairs == `mtp_pairs`; no image p
 * `combine`: per sample, the input tokens are read left to right; a text token takes one slot, an
   image placeholder as many slots as that image has embeddings (images are consumed in reading
   order, sample after sample); shorter samples are padded at the end. In that layout: ``ids`` (the
-  text id at text slots, one fixed id at image and padding slots: `fill_id`), ``labels`` and
+  text id at text slots, one fixed id at image and padding slots: `mtp_fill_id`), ``labels`` and
   ``loss_mask``.
   A token's label and mask sit at its last slot, and only where the next input token is not an
   image (a label that names an image placeholder is no target); the last input token's label is
@@ -61,7 +61,7 @@ class CombinedLayout:
         return self.ids.shape[1]
 
 
-def fill_id(image_token_index, vocab_size):
+def mtp_fill_id(image_token_index, vocab_size):
     """The id the MTP block embeds at image slots: the image token itself when it is a vocabulary id
     (Nemotron Omni's; vLLM 0.33.0 feeds a drafter without multimodal-embedding support, such as
     NemotronHMTP, the prompt's ids, placeholders included: ``v1/spec_decode/llm_base_proposer.py:1345-1352``),

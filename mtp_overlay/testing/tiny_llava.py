@@ -265,7 +265,7 @@ def make_llava_batch(image_positions, *, seq_length=16, vocab_size=128, image_to
 
 def combined_layout(model, batch, *, num_image_tiles=None):
     """The oracle's CombinedLayout of ``batch`` for ``model`` (a LLaVAModel or CombinedIdsReference):
-    ``llava_oracle.fill_id`` at image slots; ``num_image_tiles``: tiles per image (default 1 each)."""
+    ``llava_oracle.mtp_fill_id`` at image slots; ``num_image_tiles``: tiles per image (default 1 each)."""
     per_tile = tokens_per_image(model)
     images = int((batch["input_ids"] == model.image_token_index).sum())
     tiles = [1] * images if num_image_tiles is None else [int(count) for count in num_image_tiles]
@@ -273,7 +273,7 @@ def combined_layout(model, batch, *, num_image_tiles=None):
         batch["input_ids"].cpu(), image_token_index=model.image_token_index,
         tokens_per_image=[count * per_tile for count in tiles],
         labels=_cpu(batch.get("labels")), loss_mask=_cpu(batch.get("loss_mask")),
-        fill_id=llava_oracle.fill_id(model.image_token_index, model.language_model.vocab_size),
+        fill_id=llava_oracle.mtp_fill_id(model.image_token_index, model.language_model.vocab_size),
         max_length=model._language_max_sequence_length,
     )
 
@@ -368,7 +368,7 @@ def _combined_ids_reference_class():
             embeddings = llava_oracle.shard(embeddings.transpose(0, 1), pad_value=0.0, **sharding).transpose(0, 1)
             if self.config.sequence_parallel:
                 embeddings = tensor_parallel.scatter_to_sequence_parallel_region(embeddings)
-            fill = llava_oracle.fill_id(self.image_token_index, self.language_model.vocab_size)
+            fill = llava_oracle.mtp_fill_id(self.image_token_index, self.language_model.vocab_size)
             ids = llava_oracle.shard(layout.ids, pad_value=fill, **sharding).to(device)
             local_labels = llava_oracle.shard(layout.labels, pad_value=llava_oracle.IGNORE_INDEX, **sharding).to(device)
             local_mask = llava_oracle.shard(layout.loss_mask, pad_value=0, **sharding).to(device)

@@ -312,7 +312,7 @@ def oracle_layout(positions, *, tiles=None, max_length=None, seed=0):
     tiles = tiles or [1] * len(batch["images"])
     return llava_oracle.combine(
         batch["input_ids"], image_token_index=IMAGE_TOKEN, tokens_per_image=[t * TOKENS_PER_TILE for t in tiles],
-        labels=batch["labels"], loss_mask=batch["loss_mask"], fill_id=llava_oracle.fill_id(IMAGE_TOKEN, VOCAB),
+        labels=batch["labels"], loss_mask=batch["loss_mask"], fill_id=llava_oracle.mtp_fill_id(IMAGE_TOKEN, VOCAB),
         max_length=max_length or MAX_LENGTH,
     )
 
@@ -417,7 +417,7 @@ def test_oracle_refuses_bad_input():
         llava_oracle.combine(ids, image_token_index=127, tokens_per_image=4, labels=ids[:, :2], loss_mask=ids[:, :2])
     with pytest.raises(ValueError, match="depth must be a positive int"):
         llava_oracle.mtp_pairs(llava_oracle.combine(ids, image_token_index=127, tokens_per_image=4), 0)
-    assert llava_oracle.fill_id(127, 128) == 127 and llava_oracle.fill_id(-200, 128) == 0
+    assert llava_oracle.mtp_fill_id(127, 128) == 127 and llava_oracle.mtp_fill_id(-200, 128) == 0
 
 
 @pytest.mark.parametrize("layout", ["tp2_sp", "cp2"])
