@@ -34,6 +34,15 @@ Usage (``fn`` must be a module-level function, its arguments and return value pi
 * ``tiny_hybrid.build_tiny_hybrid(*, seed, hybrid_layer_pattern="*-*-/*-", sequence_parallel,
   scatter_embedding_sequence_parallel, ...)``: HybridModel from local modules (attention '*', MLP
   '-', MTP depths after '/'); the default pattern holds build_tiny_gpt()'s parameters in order.
+* ``tiny_llava``: megatron-core's own ``LLaVAModel`` with an MTP HybridModel (``build_tiny_llava``:
+  pattern ``"*-*-/*-"``, 1-layer CLIP ViT, 32x32 images of 4 embeddings, MLP projector),
+  ``make_llava_batch(image_positions)``, ``CombinedIdsReference`` (the language model run directly on
+  the hand-built combined ids and mask: the reference an MTP fix for LLaVAModel must equal),
+  ``language_model_call`` (the language model called as LLaVAModel calls it), ``build_tiny_mimo``,
+  ``build_bridge_omni`` (Bridge 0.6.2's Nemotron Omni provider, text-only on CPU).
+* ``llava_oracle``: the combined (text + image) layout from first principles, no megatron-core:
+  ``combine`` (ids, labels, loss mask, image rows), ``mtp_pairs(layout, depth)`` (what MTP trains),
+  ``image_targets`` (pairs that target an image slot), ``shard`` (CP/SP slicing as LLaVAModel's).
 * ``packed``: ``make_packed_row(lengths, *, pad_multiple, flavour="padded"|"unpadded", prompts)``
   (NeMo-RL packing; ``PackedSeqParams`` with cu_seqlens_q padded, or real + cu_seqlens_q_padded),
   ``cp_local`` (per-sequence 2*CP chunks), ``SelfSlicingCP`` (takes full rows, slices CP itself,
@@ -59,7 +68,10 @@ Usage (``fn`` must be a module-level function, its arguments and return value pi
   update_norm. ``tiny_gpt.train_step`` is its hand-written imitation; both agree at TP1. A microbatch
   may be a packed THD row (``PackedRow.microbatch``: [1, T] tensors plus ``packed_seq_params``, CP-sharded
   per sequence); ``PackedRow.reference_microbatch`` holds each sequence alone (BSHD) for the reference;
-  ``mtp_mask="scoped"`` routes the RL MTP mask through ``mtp_overlay.mtp.loss_mask_scope``.
+  ``mtp_mask="scoped"`` routes the RL MTP mask through ``mtp_overlay.mtp.loss_mask_scope``. A
+  microbatch with ``images`` goes whole to a LLaVAModel (or ``CombinedIdsReference``), whose
+  returned combined loss mask the loss uses; ``grads["encoder"]`` holds its vision tower's and
+  projector's gradients.
 * ``parity``: Megatron's step on model x layout (BSHD, THD padded / unpadded) x parallelism, stock and
   with every megatron-core fix (``parity_table`` / ``markdown``: ``scripts/parity.py``), and the
   composition cases of the real path (``composition_cases``, ``expected_outcome``: which fixes a path
@@ -75,7 +87,8 @@ Usage (``fn`` must be a module-level function, its arguments and return value pi
   communicator stand-ins for the weight-transfer producer).
 * ``cpu_shims``: the CPU stand-ins (HybridStack's TE final norm, TE's CP and THD attention, DDP's
   stream, the schedule's CUDA tensors, Bridge's TE import), installed by the launcher on CPU; test
-  scaffolding only, ``cpu_shims()`` context manager or ``install()`` / ``uninstall()``.
+  scaffolding only, ``cpu_shims()`` context manager or ``install()`` / ``uninstall()``; LLaVAModel's
+  construction stand-ins (``llava_construction_stand_ins``) and Bridge's Omni specs are scoped.
 * ``releases``: other upstream releases side by side (``release_site``, ``copy_installed``,
   ``link_installed``, ``run_with_release``, ``record_sha256``); ``remote_code``: a tiny
   trust_remote_code model and its Ray round trip.

@@ -35,9 +35,19 @@ Megatron-Bridge 0.6 on a machine without Transformer Engine (scoped, used by ``t
   block runs, that one import statement of that one module gets a stand-in object; every other
   importer, megatron-core's own ``HAVE_TE`` probes included, still finds no TE, and nothing enters
   ``sys.modules``.
+* ``bridge_omni_local_specs()``: ``NemotronOmniModelProvider.provide()`` builds its LLaVAModel from
+  megatron-core's TE hybrid-stack and ViT specs, imported by name: inside the block those names are
+  local specs (used by ``testing.tiny_llava.build_bridge_omni``).
 * ``bridge_local_mtp_spec()``: ``GPTModelProvider.provide()`` builds its MTP block through
   ``gpt_provider.mtp_block_spec``, which calls ``get_gpt_mtp_block_spec(..., use_transformer_engine=True)``
   whatever the layer spec: inside the block that call builds the local (non-TE) MTP spec.
+
+megatron-core's LLaVAModel (scoped to its construction, used by ``testing.tiny_llava``):
+
+* ``llava_construction_stand_ins()``: CLIPViTModel's norm fallback without TE
+  (``models/vision/clip_vit_model.py:20-22``) gets ``WrappedTorchNorm``, its ``.cuda()`` (``:124``)
+  stays on the CPU, and LLaVAModel's TE-version assert for CP (``models/multimodal/llava_model.py:211``)
+  is answered as TE 1.10 would (the exact CP attention below stands in for TE's).
 
 Megatron's own training step (``mtp_overlay.testing.megatron_step``):
 
@@ -548,4 +558,111 @@ def bridge_local_mtp_spec():
         return build(config, spec, use_transformer_engine=False, **kwargs)
 
     with swapped([Shim(gpt_layer_specs, "get_gpt_mtp_block_spec", build_local)]):
+        yield
+
+
+@contextlib.contextmanager
+def llava_construction_stand_ins():
+    """Inside the block, megatron-core 0.19's ``LLaVAModel`` with a CLIP ViT constructs on a CPU
+    without Transformer Engine: ``swapped(llava_stand_ins())``. Construction only
+    (``testing.tiny_llava`` builds inside the block); the forward needs none of them."""
+    with swapped(llava_stand_ins()):
+        yield
+
+
+def llava_stand_ins():
+    """The Shims of `llava_construction_stand_ins`, one per upstream line (fresh replacements each call):
+
+    * ``models/vision/clip_vit_model.py:20-22``: without Transformer Engine the default norm
+      ``NORM_IMPL`` falls back to ``torch.nn.LayerNorm``, which ``build_module`` then calls with
+      ``config=`` (TypeError). ``CLIPViTModel`` takes ``ln_pre_impl`` / ``ln_post_impl``, but
+      ``LLaVAModel`` never passes them (``models/multimodal/llava_model.py:289``): a CLIPViTModel
+      built in the block gets megatron-core's ``WrappedTorchNorm`` (the local spec's norm, a
+      ``torch.nn.LayerNorm`` for ``normalization="LayerNorm"``) where its caller names none.
+    * ``clip_vit_model.py:124``: ``torch.arange(seq_length).expand(1, -1).cuda()``; the ``torch``
+      that module sees in the block makes that ``arange`` answer ``.cuda()`` with itself (CPU).
+    * ``llava_model.py:211``: a language model with context parallelism asserts
+      ``is_te_min_version("1.10.0")`` (TE's CP attention); on a CPU the test bed's exact attention
+      (``_exact_attention``) stands in for it, so the check is answered as TE 1.10.0 would answer it.
+    """
+    from megatron.core.models.multimodal import llava_model
+    from megatron.core.models.vision import clip_vit_model
+
+    clip = clip_vit_model.CLIPViTModel
+    clip_init = vars(clip)["__init__"]
+
+    @functools.wraps(clip_init)
+    def init_with_torch_norm(self, transformer_config, transformer_layer_spec, *args, **kwargs):
+        from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+        for index, name in enumerate(("ln_pre_impl", "ln_post_impl")):
+            if len(args) <= index:
+                kwargs.setdefault(name, WrappedTorchNorm)
+        clip_init(self, transformer_config, transformer_layer_spec, *args, **kwargs)
+
+    return [
+        Shim(clip, "__init__", init_with_torch_norm),
+        Shim(clip_vit_model, "torch", _HostArangeTorch()),
+        Shim(llava_model, "is_te_min_version", _te_1_10_min_version),
+    ]
+
+
+class _HostArangeTorch(types.ModuleType):
+    """``torch`` as ``clip_vit_model`` sees it in `llava_construction_stand_ins`: ``arange`` returns a
+    tensor whose ``.cuda()`` is itself (on the CPU); everything else is torch's own attribute."""
+
+    def __init__(self):
+        super().__init__("torch")
+
+    def __getattr__(self, name):
+        import torch
+
+        return getattr(torch, name)
+
+    def arange(self, *args, **kwargs):
+        import torch
+
+        return torch.arange(*args, **kwargs).as_subclass(_host_tensor_class())
+
+
+@functools.cache
+def _host_tensor_class():
+    import torch
+
+    class HostTensor(torch.Tensor):
+        """A CPU tensor (and what is computed from it) whose ``.cuda()`` answers a plain CPU tensor."""
+
+        def cuda(self, *args, **kwargs):
+            return self.as_subclass(torch.Tensor)
+
+    return HostTensor
+
+
+def _te_1_10_min_version(version, check_equality=True):
+    """``megatron.core.utils.is_te_min_version`` answered for Transformer Engine 1.10.0."""
+    from packaging.version import Version
+
+    stand_in, asked = Version("1.10.0"), Version(version)
+    return stand_in >= asked if check_equality else stand_in > asked
+
+
+@contextlib.contextmanager
+def bridge_omni_local_specs():
+    """Inside the block, Megatron-Bridge 0.6.2's ``NemotronOmniModelProvider.provide()`` builds local specs.
+
+    ``megatron/bridge/models/nemotron_omni/nemotron_omni_provider.py`` imports megatron-core's TE
+    ``hybrid_stack_spec`` (line 23) and ``get_vit_layer_with_transformer_engine_spec`` (line 26) and
+    uses them whatever the provider says (lines 309-310): in the block those two names are the test
+    bed's local hybrid stack spec (``tiny_hybrid.local_hybrid_stack_spec()``) and megatron-core's
+    ``get_vit_layer_with_local_spec``.
+    """
+    from megatron.bridge.models.nemotron_omni import nemotron_omni_provider
+    from megatron.core.models.vision.vit_layer_specs import get_vit_layer_with_local_spec
+
+    from .tiny_hybrid import local_hybrid_stack_spec
+
+    with swapped([
+        Shim(nemotron_omni_provider, "hybrid_stack_spec", local_hybrid_stack_spec()),
+        Shim(nemotron_omni_provider, "get_vit_layer_with_transformer_engine_spec", get_vit_layer_with_local_spec),
+    ]):
         yield

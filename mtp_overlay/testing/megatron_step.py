@@ -28,6 +28,12 @@ THD rows as NeMo-RL sends them (one [1, T] row with its ``packed_seq_params``, e
 CP-sharded in the 2*CP-chunk layout by ``mtp_overlay.mtp.cp_shard``). A model that slices CP itself
 (``model_slices_context_parallel_inputs``, the Nemotron Omni contract) gets the full rows.
 
+A multimodal microbatch also holds ``images`` (LLaVAModel's ``[num_images, 3, h, w]``): the model
+(megatron-core's ``LLaVAModel``, or ``tiny_llava.CombinedIdsReference``) gets the full-length text
+rows with their image placeholders and the images, builds the combined (text + image) sequence,
+slices it for CP/SP itself and returns ``(output, combined loss mask)``
+(``models/multimodal/llava_model.py:1278``): the loss function gets that mask.
+
 Call inside ``run_ranks`` workers (model parallelism initialised; on CPU the shims installed). The
 model is any built megatron-core language model with MTP (GPTModel, HybridModel, or a wrapper around
 one in ``.language_model``): the step only calls its forward and ``compute_language_model_loss``.
@@ -44,6 +50,7 @@ MASK_ROUTES = ("explicit", "scoped")
 GLOBAL_VALID_TOKENS = "global-valid-tokens"
 MICROBATCH_KEYS = ("input_ids", "labels", "position_ids", "loss_mask")
 PACKED = "packed_seq_params"
+IMAGES = "images"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,9 +63,11 @@ class MegatronStepResult:
       over MTPLossLoggingHelper's tracker): ``mtp/mtp_{i}_loss`` and the acceptance rate in percent.
     mtp_tokens: per depth, the tracker's valid MTP positions summed over DP x CP.
     grads: ``{"mtp": ..., "lm": ...}``: the finalized gradients (DDP's ``main_grad``, TP shards
-      gathered to full tensors) of the MTP block and of everything else, flattened in parameter
-      order into float32 numpy arrays (numpy, not torch: torch tensors cross process boundaries
-      through shared memory that dies with the rank): comparable across TP/CP layouts.
+      gathered to full tensors) of the MTP block and of the rest of the language model, flattened
+      in parameter order into float32 numpy arrays (numpy, not torch: torch tensors cross process
+      boundaries through shared memory that dies with the rank): comparable across TP/CP layouts.
+      A model with parameters outside its language model (LLaVAModel's vision tower and
+      projector) also has ``"encoder"``: those.
     grad_norm, group_grad_norms: L2 norms of those gradients, whole model and per top-level module.
     zero_grad_params: parameters whose gradient is all zero.
     update_norm: L2 norm of the optimizer's weight update (None without an optimizer step).
@@ -100,8 +109,9 @@ def relative_error(gradient, reference):
 class MegatronStep:
     """A built model wrapped for Megatron's training step; `step` runs one.
 
-    ``model``: a megatron-core language model (its config's ``calculate_per_token_loss`` is fixed
-    from here on: DDP derives its gradient scaling from it). ``optimizer``: "megatron" (megatron-core's
+    ``model``: a megatron-core language model, or a multimodal model around one (LLaVAModel; see the
+    module docstring) (its config's ``calculate_per_token_loss`` is fixed from here on: DDP derives
+    its gradient scaling from it). ``optimizer``: "megatron" (megatron-core's
     Adam through ``get_megatron_optimizer``) or None (gradients only). ``ddp_config``: a
     ``DistributedDataParallelConfig`` (default: megatron-core's defaults).
     """
@@ -136,7 +146,8 @@ class MegatronStep:
           ``labels=False`` only, an optional ``mtp_loss_mask`` (input_ids-aligned, passed to the
           model as ``loss_mask``: the RL convention). A packed (THD) microbatch also holds
           ``packed_seq_params`` (megatron's PackedSeqParams, qkv_format "thd", full-row boundaries)
-          and its tensors are one [1, T] row laid out on the padded boundaries.
+          and its tensors are one [1, T] row laid out on the padded boundaries. A multimodal
+          microbatch also holds ``images`` (module docstring; labels=True, 2- or 3-output loss).
         loss: one of LOSS_SHAPES (module docstring).
         labels: True: the model computes the LM loss from ``labels`` (SFT / pretraining). False: the
           RL forward: the model gets no labels, returns logits, and the LM loss is computed here
@@ -181,8 +192,9 @@ class MegatronStep:
         def forward_step(data_iterator, model):
             inputs, local = next(data_iterator)
             call = dict(input_ids=inputs["input_ids"], position_ids=inputs["position_ids"], attention_mask=None)
-            if inputs.get(PACKED) is not None:
-                call[PACKED] = inputs[PACKED]
+            for key in (PACKED, IMAGES):
+                if inputs.get(key) is not None:
+                    call[key] = inputs[key]
             scope = contextlib.nullcontext()
             if labels:
                 call.update(labels=inputs["labels"], loss_mask=inputs["loss_mask"])
@@ -194,10 +206,19 @@ class MegatronStep:
                     else:
                         scope = mtp.loss_mask_scope(inputs["mtp_loss_mask"])
             with scope:
-                output, _ = mtp.split_output(model(**call))  # a CP-slicing model also hands back its mask
+                output, returned_mask = mtp.split_output(model(**call))  # a CP-slicing model also hands back its mask
             if not labels:  # logits [b, s, v/tp]: the trainer's own LM loss
                 output = language_model.compute_language_model_loss(local["labels"], output.transpose(0, 1).contiguous())
-            return output, functools.partial(loss_function, local["loss_mask"])
+            mask = local["loss_mask"]
+            if IMAGES in inputs:  # the combined (text + image) sequence's mask, as the model sliced it
+                if returned_mask is None or returned_mask.shape != output.shape:
+                    shape = None if returned_mask is None else tuple(returned_mask.shape)
+                    raise ValueError(
+                        "a multimodal model must return (output, combined loss mask of the output's shape), as "
+                        f"LLaVAModel.forward does; got mask {shape} for output {tuple(output.shape)}"
+                    )
+                mask = returned_mask
+            return output, functools.partial(loss_function, mask)
 
         slices_cp = mtp.model_slices_context_parallel(self.model)
         prepared = [_prepare(batch, device, slices_cp) for batch in microbatches]
@@ -225,7 +246,7 @@ class MegatronStep:
         lm_totals = torch.stack([report["lm loss"].double() for report in reports]).sum(0)
         torch.distributed.all_reduce(lm_totals, group=dp_cp_group)
         metrics = logged_mtp_metrics(len(prepared), dp_cp_group)
-        grads = _finalized_grads(language_model)
+        grads = _finalized_grads(language_model, _encoder_parameters(self.model.module, language_model))
         update_norm = None
         if update:
             update_norm = self._optimizer_step()
@@ -304,6 +325,7 @@ def check_step_arguments(microbatches, loss, labels, mtp_grad_scale, per_token, 
         raise ValueError("update=True needs an optimizer: build MegatronStep(model, optimizer='megatron')")
     if not isinstance(microbatches, (list, tuple)) or not microbatches:
         raise ValueError(f"microbatches must be a non-empty list of dicts, got {type(microbatches).__name__}")
+    check_multimodal_microbatches(microbatches, loss, labels, mtp_grad_scale)
     shape = None
     for index, batch in enumerate(microbatches):
         if not isinstance(batch, dict) or any(key not in batch for key in MICROBATCH_KEYS):
@@ -319,6 +341,8 @@ def check_step_arguments(microbatches, loss, labels, mtp_grad_scale, per_token, 
             if key == PACKED:
                 check_packed_microbatch(batch, index)
                 continue
+            if key == IMAGES:
+                continue
             if not isinstance(value, torch.Tensor) or value.dim() != 2:
                 raise ValueError(f"microbatches[{index}][{key!r}] must be a [micro_batch_size, seq] tensor")
             if shape is None:
@@ -328,6 +352,29 @@ def check_step_arguments(microbatches, loss, labels, mtp_grad_scale, per_token, 
                     f"microbatches[{index}][{key!r}] has shape {tuple(value.shape)}, expected {shape} "
                     "(every tensor of every microbatch has the same shape)"
                 )
+
+
+def check_multimodal_microbatches(microbatches, loss, labels, mtp_grad_scale):
+    """Microbatches with ``images``: all of them, BSHD, labels, a loss that needs no text-length token count."""
+    import torch
+
+    multimodal = [isinstance(batch, dict) and IMAGES in batch for batch in microbatches]
+    if not any(multimodal):
+        return
+    if not all(multimodal):
+        raise ValueError(f"microbatches: either every microbatch holds {IMAGES!r} or none does, got {multimodal}")
+    if not labels or loss == "nemo-rl" or mtp_grad_scale == GLOBAL_VALID_TOKENS:
+        raise ValueError(
+            "multimodal microbatches need labels=True and loss '2-output' or '3-output' without "
+            f"mtp_grad_scale={GLOBAL_VALID_TOKENS!r}: their loss mask is the combined one LLaVAModel returns "
+            "(it returns none without labels), not the text-length mask a step-global token count would read"
+        )
+    for index, batch in enumerate(microbatches):
+        images = batch[IMAGES]
+        if not isinstance(images, torch.Tensor) or images.dim() != 4:
+            raise ValueError(f"microbatches[{index}][{IMAGES!r}] must be a [num_images, channels, h, w] tensor")
+        if batch.get(PACKED) is not None or batch.get("mtp_loss_mask") is not None:
+            raise ValueError(f"microbatches[{index}]: a multimodal microbatch is BSHD, without an mtp_loss_mask")
 
 
 def check_packed_microbatch(batch, index):
@@ -360,6 +407,9 @@ def _prepare(batch, device, slices_cp):
     from ..mtp import cp_shard
     from .tiny_gpt import cp_slice
 
+    if IMAGES in batch:  # the model combines text and images, then slices CP itself
+        inputs = {key: value if key == PACKED or value is None else value.to(device) for key, value in batch.items()}
+        return inputs, dict(inputs)
     tensors = {key: value for key, value in batch.items() if key != PACKED}
     params = batch.get(PACKED)
     if params is None:
@@ -382,15 +432,22 @@ def _language_model(model):
     return model
 
 
-def _full_flat(model, tensor_of):
-    """(name, flat float32 CPU tensor) per parameter of ``model``: ``tensor_of(param)`` (None: zeros)
-    with TP shards gathered to the full tensor, identical on every TP rank."""
+def _encoder_parameters(root, language_model):
+    """(name, parameter) of ``root`` outside ``language_model`` (LLaVAModel's vision tower and projector)."""
+    inside = {id(param) for param in language_model.parameters()}
+    return [(name, param) for name, param in root.named_parameters() if id(param) not in inside]
+
+
+def _full_flat(model, tensor_of, named=None):
+    """(name, flat float32 CPU tensor) per parameter of ``model`` (or of the ``named`` (name,
+    parameter) pairs): ``tensor_of(param)`` (None: zeros) with TP shards gathered to the full tensor,
+    identical on every TP rank."""
     import torch
     from megatron.core import parallel_state
 
     tp_group = parallel_state.get_tensor_model_parallel_group()
     tp_size = torch.distributed.get_world_size(tp_group)
-    for name, param in model.named_parameters():
+    for name, param in model.named_parameters() if named is None else named:
         tensor = tensor_of(param)
         tensor = torch.zeros_like(param, dtype=torch.float32) if tensor is None else tensor.detach().float()
         if tp_size > 1 and getattr(param, "tensor_model_parallel", False):
@@ -400,15 +457,22 @@ def _full_flat(model, tensor_of):
         yield name, tensor.reshape(-1).cpu()
 
 
-def _finalized_grads(model):
-    """The finalized main_grads, TP shards gathered, as flat "mtp" / "lm" vectors, with norms."""
+def _finalized_grads(model, encoder=()):
+    """The finalized main_grads, TP shards gathered, as flat "mtp" / "lm" vectors of ``model`` (and an
+    "encoder" vector of the ``encoder`` (name, parameter) pairs, if any), with norms."""
     import torch
 
     parts = {"mtp": [], "lm": []}
     group_squares, zero = {}, []
-    for name, flat in _full_flat(model, lambda param: getattr(param, "main_grad", None)):
+    def main_grad(param):
+        return getattr(param, "main_grad", None)
+
+    entries = [(name, "mtp" if name.split(".")[0] == "mtp" else "lm", flat)
+               for name, flat in _full_flat(model, main_grad)]
+    entries += [(name, "encoder", flat) for name, flat in _full_flat(None, main_grad, named=encoder)]
+    for name, part, flat in entries:
         top = name.split(".")[0]
-        parts["mtp" if top == "mtp" else "lm"].append(flat)
+        parts.setdefault(part, []).append(flat)
         group_squares[top] = group_squares.get(top, 0.0) + flat.double().pow(2).sum().item()
         if not flat.any():
             zero.append(name)
