@@ -124,9 +124,10 @@ def mtp_positions(loss_mask, depth=1):
 class SftMtpCase:
     """One SFT microbatch through Bridge's ``forward_step`` and through a direct forward, this layout.
 
-    layout: "TP1", "CP2", "TP2xCP2"...; built: "<provider class> -> <model class>". allowed / every: `mtp_positions` of the batch (depth 1). trained / direct_trained: the
-    (row, position) pairs MTP depth 1 back-propagated a loss from (``packed.record_mtp``), over the
-    full rows (CP ranks gathered), in Bridge's step and in the direct one. bridge / direct: the two
+    layout: "TP1", "CP2", "TP2xCP2"...; built: "<provider class> -> <model class>". allowed / every:
+    `mtp_positions` of the batch (depth 1). trained / direct_trained: the (row, position) pairs MTP
+    depth 1 back-propagated a loss from (``packed.record_mtp``), over the full rows (CP ranks
+    gathered), in Bridge's step and in the direct one. bridge / direct: the two
     ``MegatronStepResult``: Megatron's step with Bridge's ``forward_step``, and with the test bed's
     forward step that calls the model with ``labels=`` and ``loss_mask=`` the batch's.
     """

@@ -38,6 +38,10 @@ Megatron-Bridge 0.6 on a machine without Transformer Engine (scoped, used by ``t
 * ``bridge_local_mtp_spec()``: ``GPTModelProvider.provide()`` builds its MTP block through
   ``gpt_provider.mtp_block_spec``, which calls ``get_gpt_mtp_block_spec(..., use_transformer_engine=True)``
   whatever the layer spec: inside the block that call builds the local (non-TE) MTP spec.
+* ``bridge_training_import_stand_ins()``: ``import megatron.bridge.training.gpt_step`` needs ModelOpt,
+  ``datasets``, Energon and TensorBoard at six unguarded import statements; scoped the same way.
+* ``cpu_batch(batch)``: ``gpt_step.get_batch_from_iterator`` moves each batch tensor with
+  ``.cuda(non_blocking=True)``: the test bed's batch tensors answer it with themselves.
 
 Megatron's own training step (``mtp_overlay.testing.megatron_step``):
 
@@ -666,9 +670,9 @@ def _bridge_training_stand_ins():
     `bridge_training_import_stand_ins`."""
 
     def placeholder(name):
-        return type(name.rsplit(".", 1)[-1], (), {
-            "__doc__": f"CPU stand-in for {name} (test scaffolding, not installed here): never instantiated", "__module__": name.rsplit(".", 1)[0]
-        })
+        module, short = name.rsplit(".", 1)
+        doc = f"CPU stand-in for {name} (test scaffolding, not installed here): never instantiated"
+        return type(short, (), {"__doc__": doc, "__module__": module})
 
     def unavailable(name):
         def call(*args, **kwargs):
@@ -695,14 +699,14 @@ def _bridge_training_stand_ins():
             "get_savable_loader": unavailable("megatron.energon.get_savable_loader"),
             "get_train_dataset": unavailable("megatron.energon.get_train_dataset"),
         },
-        "torch.utils.tensorboard": {"writer": {"SummaryWriter": placeholder("torch.utils.tensorboard.writer.SummaryWriter")}},
+        "torch.utils.tensorboard": {
+            "writer": {"SummaryWriter": placeholder("torch.utils.tensorboard.writer.SummaryWriter")},
+        },
     }
     # what must be importable for the real one to work (torch.utils.tensorboard is torch's, it needs tensorboard)
     needs = {"torch.utils.tensorboard": "tensorboard"}
-    return {
-        root: (needs.get(root, root), _stand_in_tree(root, tree, f"CPU stand-in for {root} (test scaffolding: not installed here)"))
-        for root, tree in trees.items()
-    }
+    doc = "CPU stand-in for {} (test scaffolding: not installed here)"
+    return {root: (needs.get(root, root), _stand_in_tree(root, tree, doc.format(root))) for root, tree in trees.items()}
 
 
 def cpu_batch(batch):
@@ -712,7 +716,8 @@ def cpu_batch(batch):
     tensor its data iterator yields with ``val.cuda(non_blocking=True)``. On a CPU machine the test
     bed's iterator yields tensors that carry their own ``cuda`` (an instance attribute, ahead of
     ``torch.Tensor.cuda``): it returns the tensor itself, as ``tensor.to("cpu", ...)`` would; every
-    other tensor, and ``torch.Tensor.cuda`` itself, is untouched.
+    other tensor, and ``torch.Tensor.cuda`` itself, is untouched. The tensors are the caller's own
+    (nothing is copied); the dict is new.
     """
     import torch
 

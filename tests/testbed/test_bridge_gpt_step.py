@@ -178,8 +178,9 @@ def test_sft_batch_and_the_positions_its_mask_allows():
         assert set(batch["tokens"][row, real:].tolist()) <= {bridge_step.EOS_ID}
     allowed, every = bridge_step.mtp_positions(mask)
     # depth 1 at position i trains label i + 1: allowed from position prompt - 1 up to the last real label
-    expected = {(row, i) for row, padding in enumerate(bridge_step.PADDING) for i in range(prompt - 1, length - padding - 1)}
-    assert set(allowed) == expected and len(allowed) == sum(length - padding - prompt for padding in bridge_step.PADDING)
+    paddings = bridge_step.PADDING
+    expected = {(row, i) for row, padding in enumerate(paddings) for i in range(prompt - 1, length - padding - 1)}
+    assert set(allowed) == expected and len(allowed) == sum(length - padding - prompt for padding in paddings)
     assert len(every) == bridge_step.BATCH_SIZE * (length - 1)
     assert (len(allowed), len(every)) == (32, 62)  # the setup: 2x32 tokens, 12 prompt, 8 padding
 
