@@ -15,7 +15,7 @@ The defects (Megatron-Bridge 0.6.2), each a function a fix's test calls with the
   counted here from the batch alone, and with a direct forward of the same model given the mask.
 * `export_case` / `exported_drafters`: ``NemotronHBridge.megatron_to_hf_config``
   (``models/nemotronh/nemotron_h_bridge.py:322-370``, through ``CONFIG_MAPPING``'s
-  ``("num_nextn_predict_layers", "mtp_num_layers")``, ``model_conversion/model_bridge.py:478``)
+  ``("num_nextn_predict_layers", "mtp_num_layers")``, ``models/conversion/model_bridge.py:478``)
   exports a repeated-layer provider's ``mtp_num_layers`` (forward repetitions of one shared layer)
   as the HF depth; vLLM 0.33.0's ``NemotronHMTP`` refuses anything but 1
   (``model_executor/models/nemotron_h_mtp.py:246-249``). Bridge issue #5946, PR #5948.
@@ -62,7 +62,9 @@ def step_state(provider, *, check_for_nan_in_loss=True):
     dummy); ``straggler_timer``: megatron-core's ``StragglerDetector``, not configured (off);
     ``cfg.model``: the model's provider (``get_batch`` reads its pipeline layout);
     ``cfg.dataset.skip_getting_attention_mask_from_dataset=True`` (causal mask, Bridge's default);
-    ``cfg.rerun_state_machine``: the NaN check (Bridge's default on) and no spiky-loss check.
+    ``cfg.rerun_state_machine``: Bridge's defaults, the NaN check on and the spiky-loss check off
+    (``RerunStateMachineConfig``, ``training/config.py:181``, from Megatron's
+    ``training/config/resilience_config.py:25,28``).
     ``accumulate_flops_metadata`` writes its ``_flops_*`` counters onto the namespace.
     """
     import types
