@@ -82,6 +82,11 @@ Usage (``fn`` must be a module-level function, its arguments and return value pi
   and the tests measure for the patch manifest.
 * ``bridge``: models built through Megatron-Bridge 0.6 providers (``AutoBridge.from_hf_config`` of
   tiny local Qwen3 / NemotronH configs); importable without Bridge (``bridge_installed()``).
+* ``bridge_step``: Bridge's own ``gpt_step.forward_step`` through ``MegatronStep.run`` (``run_bridge_step``,
+  ``step_state``: what it reads of Bridge's GlobalState), and the three Bridge MTP defects as cases a
+  fix's test calls with the fix off or on: ``sft_mtp_cases`` (positions trained vs allowed, and a
+  direct forward with the mask), ``mtp_off_cases`` / ``omni_finalize`` (``mtp_num_layers: 0``),
+  ``export_case`` / ``exported_drafters`` (HF export -> vLLM's real NemotronHMTP).
 * vLLM on CPU: ``vllm_serving`` / ``vllm_chat_template`` (an in-process OpenAI server's consumers,
   and the CLI path's), ``vllm_drafter`` (real MTP drafter modules), ``streams`` (CUDA-stream and
   communicator stand-ins for the weight-transfer producer).

@@ -110,13 +110,16 @@ def bridge_provider(kind, *, mtp_num_layers=1, **config_kwargs):
 
 
 def build_bridge_model(
-    kind, *, seed=1234, mtp_num_layers=1, sequence_parallel=False, scatter_embedding_sequence_parallel=True
+    kind, *, seed=1234, mtp_num_layers=1, sequence_parallel=False, scatter_embedding_sequence_parallel=True,
+    recipe=None,
 ):
     """The megatron-core model Bridge's provider builds for ``kind``, for this rank.
 
     Call inside ``run_ranks`` workers: TP and CP sizes come from ``parallel_state``. fp32, no dropout.
     ``scatter_embedding_sequence_parallel=False`` builds a model whose embedding does not scatter to
-    the sequence-parallel region (the multimodal setting, see the module docstring).
+    the sequence-parallel region (the multimodal setting, see the module docstring). ``recipe``:
+    provider fields a training recipe sets after the HF import (``{"mtp_num_layers": 0}``), applied
+    with the test bed's own overrides before ``finalize()``. The model's ``config`` is the provider.
     """
     import torch
     from megatron.core import parallel_state
@@ -144,6 +147,10 @@ def build_bridge_model(
         overrides["scatter_embedding_sequence_parallel"] = False
     if not HAVE_TE:
         overrides.update(_local_overrides(provider))
+    clash = sorted(set(recipe or {}) & set(overrides))
+    if clash:
+        raise ValueError(f"recipe must not set what the test bed sets for this layout: {clash}")
+    overrides.update(recipe or {})
     provider.apply_overrides_and_finalize(dtype=torch.float32, overrides=overrides)
     provider._pg_collection = ProcessGroupCollection.use_mpu_process_groups()
     torch.manual_seed(seed)

@@ -41,6 +41,10 @@ Megatron-Bridge 0.6 on a machine without Transformer Engine (scoped, used by ``t
 * ``bridge_local_mtp_spec()``: ``GPTModelProvider.provide()`` builds its MTP block through
   ``gpt_provider.mtp_block_spec``, which calls ``get_gpt_mtp_block_spec(..., use_transformer_engine=True)``
   whatever the layer spec: inside the block that call builds the local (non-TE) MTP spec.
+* ``bridge_training_import_stand_ins()``: ``import megatron.bridge.training.gpt_step`` needs ModelOpt,
+  ``datasets``, Energon and TensorBoard at six unguarded import statements; scoped the same way.
+* ``cpu_batch(batch)``: ``gpt_step.get_batch_from_iterator`` moves each batch tensor with
+  ``.cuda(non_blocking=True)``: the test bed's batch tensors answer it with themselves.
 
 megatron-core's LLaVAModel (scoped to its construction, used by ``testing.tiny_llava``):
 
@@ -666,3 +670,184 @@ def bridge_omni_local_specs():
         Shim(nemotron_omni_provider, "get_vit_layer_with_transformer_engine_spec", get_vit_layer_with_local_spec),
     ]):
         yield
+
+
+# --- Megatron-Bridge 0.6's training step (gpt_step) on a machine without its optional packages ---------
+
+# importer module -> the dotted roots its import statements get stand-ins for (only those it imports
+# unguarded; the upstream lines are in `bridge_training_import_stand_ins`)
+BRIDGE_TRAINING_IMPORTERS = {
+    "megatron.bridge.training.gpt_step": ("modelopt",),
+    "megatron.bridge.training.post_training.distillation": ("modelopt",),
+    "megatron.bridge.data.datasets.gpt_sft": ("datasets",),
+    "megatron.bridge.data.sources.hf": ("datasets",),
+    "megatron.bridge.data.energon.base_energon_datamodule": ("megatron.energon",),
+    "megatron.bridge.training.state": ("torch.utils.tensorboard",),
+}
+# importers whose own guard (try/except) already finds the package missing: no stand-in, their
+# flag stays False (training/comm_overlap.py:29-33 HAVE_TE, training/nvrx_straggler.py:38-49 HAVE_NVRX)
+BRIDGE_GUARDED_IMPORTS = {
+    "megatron.bridge.training.comm_overlap": "HAVE_TE",
+    "megatron.bridge.training.nvrx_straggler": "HAVE_NVRX",
+}
+
+
+@contextlib.contextmanager
+def bridge_training_import_stand_ins(importers=None):
+    """While the block runs, the unguarded optional imports of Bridge's training step get stand-ins.
+
+    ``import megatron.bridge.training.gpt_step`` (Megatron-Bridge 0.6.2) fails on a machine with
+    neither ModelOpt, Hugging Face ``datasets``, Energon nor TensorBoard. The import statements
+    that need them, each given a stand-in by `_bridge_training_stand_ins`:
+
+    * ``training/gpt_step.py:19`` ``import modelopt.torch.distill as mtd`` (read at :562, only by
+      ``forward_step_modelopt``: ``isinstance(model, mtd.DistillationModel)``);
+    * ``training/post_training/distillation.py:17-18`` ``modelopt.torch.distill`` and
+      ``modelopt.torch.distill.plugins.megatron``, whose ``DistillationConfig`` is subclassed at :24;
+    * ``data/datasets/gpt_sft.py:23`` ``import datasets`` and :26 ``from datasets import
+      load_dataset``; :59 assigns ``datasets.builder.has_sufficient_disk_space``;
+    * ``data/sources/hf.py:23`` ``from datasets import concatenate_datasets, load_dataset``;
+    * ``data/energon/base_energon_datamodule.py:19`` ``from megatron.energon import WorkerConfig,
+      get_savable_loader, get_train_dataset``;
+    * ``training/state.py:29`` ``from torch.utils.tensorboard.writer import SummaryWriter``
+      (``torch/utils/tensorboard/__init__.py:1`` imports ``tensorboard``).
+
+    Two more optional imports are guarded upstream and get none, so their flags tell the truth:
+    ``training/comm_overlap.py:29-33`` (``transformer_engine``, HAVE_TE) and
+    ``training/nvrx_straggler.py:38-49`` (``nvidia_resiliency_ext``, HAVE_NVRX).
+
+    Scoped like `transformer_engine_import_stand_in`: ``builtins.__import__`` hands a stand-in only to
+    the import statements of the modules named in ``importers`` (default BRIDGE_TRAINING_IMPORTERS:
+    ``{importer: (dotted root, ...)}``), nothing enters ``sys.modules``, and after the block those
+    packages are as missing as before. A root whose real package is importable here is left alone.
+    Nothing in a stand-in does anything: its classes have no instances, its functions raise.
+    """
+    importers = BRIDGE_TRAINING_IMPORTERS if importers is None else importers
+    stand_ins = _bridge_training_stand_ins()
+    unknown = sorted({root for roots in importers.values() for root in roots} - set(stand_ins))
+    if unknown:
+        raise ValueError(f"importers: no stand-in for {unknown}; there are stand-ins for {sorted(stand_ins)}")
+    trees = {root: tree for root, (needs, tree) in stand_ins.items() if not _importable(needs)}
+    scoped = {name: {root: trees[root] for root in roots if root in trees} for name, roots in importers.items()}
+    real_import = builtins.__import__
+
+    def scoped_import(name, globals=None, locals=None, fromlist=(), level=0):
+        importer = globals.get("__name__") if level == 0 and globals is not None else None
+        for root, tree in scoped.get(importer, {}).items():
+            if name == root or name.startswith(root + "."):
+                module = _stand_in_submodule(tree, name[len(root) :])
+                if fromlist:  # `from a.b import x`: the module itself
+                    return module
+                if "." not in root:  # `import a.b.c [as d]`: the top package, then its attributes
+                    return tree
+        return real_import(name, globals, locals, fromlist, level)
+
+    builtins.__import__ = scoped_import
+    try:
+        yield
+    finally:
+        if builtins.__import__ is scoped_import:
+            builtins.__import__ = real_import
+
+
+def _stand_in_submodule(tree, rest):
+    """The module ``rest`` (``""`` or ``".a.b"``) below the stand-in ``tree``; ModuleNotFoundError if none."""
+    module = tree
+    for part in filter(None, rest.split(".")):
+        module = vars(module).get(part)
+        if not isinstance(module, types.ModuleType):
+            raise ModuleNotFoundError(f"No module named {tree.__name__ + rest!r} (not in its CPU stand-in)")
+    return module
+
+
+def _importable(root):
+    try:
+        return importlib.util.find_spec(root) is not None
+    except ImportError:  # a parent package is missing or fails to import
+        return False
+
+
+def _stand_in_tree(name, tree, doc):
+    """Module ``name`` with ``tree``'s attributes; a dict value is a submodule (built the same way).
+
+    Any attribute not given raises AttributeError naming the stand-in."""
+    module = types.ModuleType(name, doc)
+
+    def missing(attribute):
+        raise AttributeError(f"{name}.{attribute}: not installed here (test-bed CPU stand-in)")
+
+    for key, value in tree.items():
+        vars(module)[key] = _stand_in_tree(f"{name}.{key}", value, doc) if isinstance(value, dict) else value
+    vars(module)["__getattr__"] = missing
+    return module
+
+
+def _bridge_training_stand_ins():
+    """{dotted root: (the package the real one needs, stand-in module tree)} for
+    `bridge_training_import_stand_ins`."""
+
+    def placeholder(name):
+        module, short = name.rsplit(".", 1)
+        doc = f"CPU stand-in for {name} (test scaffolding, not installed here): never instantiated"
+        return type(short, (), {"__doc__": doc, "__module__": module})
+
+    def unavailable(name):
+        def call(*args, **kwargs):
+            raise RuntimeError(f"{name}: not installed here (test-bed CPU stand-in)")
+
+        module, call.__name__ = name.rsplit(".", 1)
+        call.__qualname__, call.__module__ = call.__name__, module
+        call.__doc__ = f"CPU stand-in for {name} (test scaffolding, not installed here): raises RuntimeError"
+        return call
+
+    trees = {
+        "modelopt": {"torch": {"distill": {
+            "DistillationModel": placeholder("modelopt.torch.distill.DistillationModel"),
+            "plugins": {"megatron": {"DistillationConfig": placeholder(
+                "modelopt.torch.distill.plugins.megatron.DistillationConfig")}},
+        }}},
+        "datasets": {
+            "load_dataset": unavailable("datasets.load_dataset"),
+            "concatenate_datasets": unavailable("datasets.concatenate_datasets"),
+            "builder": {},  # gpt_sft.py:59 assigns builder.has_sufficient_disk_space
+        },
+        "megatron.energon": {
+            "WorkerConfig": placeholder("megatron.energon.WorkerConfig"),
+            "get_savable_loader": unavailable("megatron.energon.get_savable_loader"),
+            "get_train_dataset": unavailable("megatron.energon.get_train_dataset"),
+        },
+        "torch.utils.tensorboard": {
+            "writer": {"SummaryWriter": placeholder("torch.utils.tensorboard.writer.SummaryWriter")},
+        },
+    }
+    # what must be importable for the real one to work (torch.utils.tensorboard is torch's, it needs tensorboard)
+    needs = {"torch.utils.tensorboard": "tensorboard"}
+    doc = "CPU stand-in for {} (test scaffolding: not installed here)"
+    return {root: (needs.get(root, root), _stand_in_tree(root, tree, doc.format(root))) for root, tree in trees.items()}
+
+
+def cpu_batch(batch):
+    """``batch`` (a dict of tensors, None values kept) whose tensors answer ``.cuda(...)`` with themselves.
+
+    Megatron-Bridge 0.6.2 ``get_batch_from_iterator`` (``training/gpt_step.py:266``) moves every
+    tensor its data iterator yields with ``val.cuda(non_blocking=True)``. On a CPU machine the test
+    bed's iterator yields tensors that carry their own ``cuda`` (an instance attribute, ahead of
+    ``torch.Tensor.cuda``): it returns the tensor itself, as ``tensor.to("cpu", ...)`` would; every
+    other tensor, and ``torch.Tensor.cuda`` itself, is untouched. The tensors are the caller's own
+    (nothing is copied); the dict is new.
+    """
+    import torch
+
+    def stays(tensor):
+        def cuda(device=None, non_blocking=False, memory_format=torch.preserve_format):
+            return tensor.to("cpu", non_blocking=non_blocking, memory_format=memory_format)
+
+        tensor.cuda = cuda
+        return tensor
+
+    if not isinstance(batch, dict):
+        raise TypeError(f"batch must be a dict of tensors (None values allowed), got {type(batch).__name__}")
+    for key, value in batch.items():
+        if value is not None and not isinstance(value, torch.Tensor):
+            raise TypeError(f"batch[{key!r}] must be a tensor or None, got {type(value).__name__}")
+    return {key: None if value is None else stays(value) for key, value in batch.items()}

@@ -162,17 +162,13 @@ class MegatronStep:
         """
         import torch
         from megatron.core import parallel_state
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-        from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
         from .. import mtp
-        from .tiny_gpt import logged_mtp_metrics
 
         per_token = bool(self.config.calculate_per_token_loss)
         check_step_arguments(microbatches, loss, labels, mtp_grad_scale, per_token, update, self.optimizer, mtp_mask)
         cp_group = parallel_state.get_context_parallel_group()
         dp_group = parallel_state.get_data_parallel_group()
-        dp_cp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
         device = next(self.model.parameters()).device
 
         valid_tokens = None  # NeMo-RL's normaliser: the step's LM tokens over all data-parallel ranks
@@ -222,31 +218,54 @@ class MegatronStep:
 
         slices_cp = mtp.model_slices_context_parallel(self.model)
         prepared = [_prepare(batch, device, slices_cp) for batch in microbatches]
-        self.model.zero_grad_buffer()
-        if self.optimizer is not None:
-            self.optimizer.zero_grad()
-        MTPLossLoggingHelper.tracker.clear()  # fresh, sized by this model's MTP depth on first use
         previous_scale = self.config.mtp_grad_scale_func
         if mtp_grad_scale is not None:
             scale = 1.0 / valid_tokens if mtp_grad_scale == GLOBAL_VALID_TOKENS else float(mtp_grad_scale)
             self.config.mtp_grad_scale_func = lambda: scale
         try:
-            reports = get_forward_backward_func()(
-                forward_step_func=forward_step,
-                data_iterator=iter(prepared),
-                model=[self.model],
-                num_microbatches=len(prepared),
-                seq_length=prepared[0][1]["input_ids"].shape[1],
-                micro_batch_size=prepared[0][1]["input_ids"].shape[0],
-                forward_only=False,
-            )
+            return self.run(forward_step, iter(prepared), num_microbatches=len(prepared),
+                            seq_length=prepared[0][1]["input_ids"].shape[1],
+                            micro_batch_size=prepared[0][1]["input_ids"].shape[0], update=update)
         finally:
             self.config.mtp_grad_scale_func = previous_scale
 
+    def run(self, forward_step_func, data_iterator, *, num_microbatches, seq_length, micro_batch_size, update=True):
+        """One training step of Megatron's schedule with any forward step; returns a MegatronStepResult.
+
+        ``forward_step_func(data_iterator, model)`` is what the schedule calls per microbatch (`step`'s
+        own, or a trainer's: Megatron-Bridge's ``gpt_step.forward_step`` with its state bound); it
+        must return (output, loss function) with the loss function reporting ``{"lm loss": [sum,
+        count]}`` as pretrain_gpt's does. ``data_iterator`` yields its ``num_microbatches``
+        microbatches; ``seq_length`` / ``micro_batch_size`` are this rank's (CP-local) tensor shape.
+        update: run the optimizer step (the gradient buffers are zeroed first in every case).
+        """
+        import torch
+        from megatron.core import parallel_state
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+        from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+        from .tiny_gpt import logged_mtp_metrics
+
+        if update and self.optimizer is None:
+            raise ValueError("update=True needs an optimizer: build MegatronStep(model, optimizer='megatron')")
+        dp_cp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+        self.model.zero_grad_buffer()
+        if self.optimizer is not None:
+            self.optimizer.zero_grad()
+        MTPLossLoggingHelper.tracker.clear()  # fresh, sized by this model's MTP depth on first use
+        reports = get_forward_backward_func()(
+            forward_step_func=forward_step_func,
+            data_iterator=data_iterator,
+            model=[self.model],
+            num_microbatches=num_microbatches,
+            seq_length=seq_length,
+            micro_batch_size=micro_batch_size,
+            forward_only=False,
+        )
         lm_totals = torch.stack([report["lm loss"].double() for report in reports]).sum(0)
         torch.distributed.all_reduce(lm_totals, group=dp_cp_group)
-        metrics = logged_mtp_metrics(len(prepared), dp_cp_group)
-        grads = _finalized_grads(language_model, _encoder_parameters(self.model.module, language_model))
+        metrics = logged_mtp_metrics(num_microbatches, dp_cp_group)
+        grads = _finalized_grads(self.language_model, _encoder_parameters(self.model.module, self.language_model))
         update_norm = None
         if update:
             update_norm = self._optimizer_step()

@@ -70,9 +70,14 @@ def cpu_attention_selection():
 def vllm_config(kind, directory, **overrides):
     """A VllmConfig whose speculative config builds ``kind``'s MTP drafter (as vLLM's proposer does:
     the draft model config is also the model config)."""
+    return vllm_config_of(tiny_config(kind, **overrides), directory)
+
+
+def vllm_config_of(hf_config, directory):
+    """`vllm_config` of a given transformers config (saved to ``directory`` as vLLM reads it)."""
     from vllm.config import DeviceConfig, ModelConfig, ParallelConfig, SpeculativeConfig, VllmConfig
 
-    tiny_config(kind, **overrides).save_pretrained(directory)
+    hf_config.save_pretrained(directory)
     target = ModelConfig(model=str(directory), skip_tokenizer_init=True, dtype="float32")
     speculative = SpeculativeConfig(method="mtp", num_speculative_tokens=1, target_model_config=target,
                                     target_parallel_config=ParallelConfig())
@@ -114,13 +119,19 @@ def build_drafter(kind, **overrides):
     """vLLM's real MTP drafter for ``kind`` (inside `drafter_environment`), float32 on CPU, made as vLLM
     makes it: ``initialize_model`` resolves the draft architecture and records the reload metadata.
     ``overrides``: fields of `tiny_config` (a wider model for benchmarks)."""
+    name = kind + "".join(f"-{key}={value}" for key, value in sorted(overrides.items()))
+    return build_drafter_of(tiny_config(kind, **overrides), name)
+
+
+def build_drafter_of(hf_config, name):
+    """`build_drafter` of a given transformers config (a target model's, e.g. one an exporter wrote),
+    saved under ``name`` in the environment's folder."""
     import torch
     from vllm.model_executor.model_loader.utils import initialize_model
 
     if "directory" not in _state:
         raise RuntimeError("build_drafter runs inside drafter_environment()")
-    name = kind + "".join(f"-{key}={value}" for key, value in sorted(overrides.items()))
-    config = vllm_config(kind, os.path.join(_state["directory"], name), **overrides)
+    config = vllm_config_of(hf_config, os.path.join(_state["directory"], name))
     with torch.device("cpu"):
         model = initialize_model(vllm_config=config, model_config=config.speculative_config.draft_model_config)
     model.vllm_config_for_tests = config
