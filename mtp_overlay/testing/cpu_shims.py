@@ -28,6 +28,15 @@ What needs a shim on a CPU machine (megatron-core 0.19.x, local spec):
   RoPE's CP slicing uses ``pin_memory().cuda()`` and gets a CPU equivalent. THD RoPE
   (``rope_utils._apply_rotary_pos_emb_thd``) is plain torch and runs as it is.
 
+Mamba ('M') layers (``mamba_shims``): megatron-core's ``MambaMixer`` needs ``mamba_ssm``'s Triton
+kernels, which do not run on a CPU, and refuses to build without them (``ssm/mamba_mixer.py:202``).
+Pure-torch stand-ins, each checked against a reference written from the equations
+(tests/testbed/test_mamba_stand_ins.py), take the names ``mamba_mixer`` looks the kernels up by:
+``mamba_split_conv1d_scan_combined`` (the training step's fused depthwise causal conv + Mamba-2 SSD
+chunked scan, with per-sequence resets from ``seq_idx``), ``mamba_chunk_scan_combined`` (the unfused
+path's scan), the gated ``RMSNormGated``; plus the version answers a packed step asks for and, for
+packed rows under CP, TE's ``thd_get_partitioned_indices``. No module is faked in ``sys.modules``.
+
 Megatron-Bridge 0.6 on a machine without Transformer Engine (scoped, used by ``testing.bridge``):
 
 * ``transformer_engine_import_stand_in()``: ``megatron/bridge/peft/lora_layers.py`` imports
@@ -439,15 +448,17 @@ def _self_attention_boundaries(packed_seq_params):
     return torch.as_tensor(query)
 
 
-
 # --- Mamba ('M') layers: pure-torch stand-ins for the mamba_ssm / causal_conv1d kernels ----------------
 
 MAMBA_MIXER = "megatron.core.ssm.mamba_mixer"
 MAMBA_CONTEXT_PARALLEL = "megatron.core.ssm.mamba_context_parallel"
 # the releases the stand-ins answer for in megatron-core's version checks: the first mamba_ssm and
 # causal_conv1d whose kernels take ``seq_idx`` (what ``_check_mamba_sequence_packing_support`` asks
-# of a packed training step, ``ssm/mamba_mixer.py:1497-1499``); its inference minimums are higher
+# of a packed training step, ``ssm/mamba_mixer.py:1500-1501``); its inference minimums are higher
 MAMBA_STAND_IN_VERSIONS = {"mamba_ssm": "2.0.0", "causal_conv1d": "1.4.0"}
+# the names a training step looks up in mamba_mixer; a release that does not define them all without
+# mamba_ssm (0.16.1 leaves the scan functions undefined) gets no Mamba stand-in at all
+MAMBA_KERNEL_NAMES = ("HAVE_MAMBA_SSM", "mamba_split_conv1d_scan_combined", "RMSNormGated", "ExtendedRMSNorm")
 # Transformer Engine release whose ``thd_get_partitioned_indices`` the THD CP stand-in answers for
 # (``ssm/mamba_context_parallel.py:377,415`` ask for at least this one)
 TE_THD_STAND_IN_VERSION = "1.10.0"
@@ -477,15 +488,19 @@ def mamba_shims():
       for ``TE_THD_STAND_IN_VERSION``.
 
     Left as they are: ``causal_conv1d_fn`` (None: the unfused path runs upstream's own
-    ``F.conv1d``, line 914), the dynamic-inference kernels (megatron-core's own Triton ops) and
-    ``MAMBA_HAS_STATE_DTYPE`` (False: no ``state_dtype`` argument). [] where the module does not
-    import or real mamba_ssm kernels are installed (``HAVE_MAMBA_SSM`` already True).
+    ``F.conv1d``, line 914 through ``mamba_context_parallel.py:213``), the dynamic-inference
+    kernels (megatron-core's own Triton ops) and ``MAMBA_HAS_STATE_DTYPE`` (False: no
+    ``state_dtype`` argument). [] where the module does not import or real mamba_ssm kernels are
+    installed (``HAVE_MAMBA_SSM`` already True), and where megatron-core leaves one of
+    ``MAMBA_KERNEL_NAMES`` undefined without mamba_ssm (a half stand-in would build a mixer that fails
+    mid-step; stock's refusal is clearer).
     """
     try:
         mixer = importlib.import_module(MAMBA_MIXER)
     except ImportError:
         return []
-    if vars(mixer).get("HAVE_MAMBA_SSM", True):
+    defined = vars(mixer)
+    if defined.get("HAVE_MAMBA_SSM", True) or not all(name in defined for name in MAMBA_KERNEL_NAMES):
         return []
     norm = rms_norm_gated()
     wanted = {
@@ -499,7 +514,7 @@ def mamba_shims():
             _stand_in_version_at_least, MAMBA_STAND_IN_VERSIONS["causal_conv1d"]
         ),
     }
-    shims = [Shim(mixer, name, value) for name, value in wanted.items() if name in vars(mixer)]
+    shims = [Shim(mixer, name, value) for name, value in wanted.items() if name in defined]
     for context_parallel in _having(MAMBA_CONTEXT_PARALLEL, "tex"):
         if vars(context_parallel)["tex"] is None and "is_te_min_version" in vars(context_parallel):
             shims += [
@@ -523,7 +538,9 @@ def _thd_partitioning_stand_in():
     stand_in = types.ModuleType("transformer_engine_torch", "CPU stand-in: thd_get_partitioned_indices only")
 
     def missing(attribute):
-        raise AttributeError(f"transformer_engine_torch.{attribute}: Transformer Engine is not installed (CPU stand-in)")
+        raise AttributeError(
+            f"transformer_engine_torch.{attribute}: Transformer Engine is not installed (CPU stand-in)"
+        )
 
     vars(stand_in).update(thd_get_partitioned_indices=thd_get_partitioned_indices, __getattr__=missing)
     return stand_in
@@ -573,7 +590,9 @@ def mamba_split_conv1d_scan_combined(
     elif D.dim() == 2:
         heads, headdim = D.shape
     else:
-        raise ValueError(f"mamba_split_conv1d_scan_combined: D must be [heads] or [heads, headdim], got {tuple(D.shape)}")
+        raise ValueError(
+            f"mamba_split_conv1d_scan_combined: D must be [heads] or [heads, headdim], got {tuple(D.shape)}"
+        )
     dim = heads * headdim
     batch, length, width = zxbcdt.shape
     state_width = conv1d_weight.shape[0] - dim  # 2 * ngroups * d_state
@@ -745,7 +764,9 @@ def _check_scan_shapes(x, dt, A, B, C, D, z, dt_bias, initial_states, chunk_size
         if tensor is not None and tuple(tensor.shape) != shape:
             raise ValueError(f"mamba_chunk_scan_combined: {name} must have shape {shape}, got {tuple(tensor.shape)}")
     if D is not None and tuple(D.shape) not in ((heads,), (heads, headdim)):
-        raise ValueError(f"mamba_chunk_scan_combined: D must be [{heads}] or [{heads}, {headdim}], got {tuple(D.shape)}")
+        raise ValueError(
+            f"mamba_chunk_scan_combined: D must be [{heads}] or [{heads}, {headdim}], got {tuple(D.shape)}"
+        )
     if not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"mamba_chunk_scan_combined: chunk_size must be a positive int, got {chunk_size!r}")
     return batch, length, heads, headdim

@@ -168,13 +168,15 @@ def tp_independent_mamba_weights(model, seed):
         tp_size, tp_rank = mixer.pg_collection.tp.size(), mixer.pg_collection.tp.rank()
         state = 2 * mixer.ngroups * mixer.d_state  # B and C
         bound = 1 / math.sqrt(mixer.d_conv)
-        dt = _drawn(seed, f"{name}.dt", (mixer.nheads,), "uniform_", math.log(1e-3), math.log(1e-1)).exp().clamp(min=1e-4)
+        dt = _drawn(seed, f"{name}.dt", (mixer.nheads,), "uniform_", math.log(1e-3), math.log(1e-1))
+        dt = dt.exp().clamp(min=1e-4)
         full = [
             (mixer.in_proj.weight, _drawn(seed, f"{name}.in_proj.weight", (2 * mixer.d_inner + state + mixer.nheads,
                                           mixer.d_model), "normal_", 0.0, mixer.config.init_method_std)),
             (mixer.conv1d_weight, _drawn(seed, f"{name}.conv1d_weight", (mixer.d_inner + state, 1, mixer.d_conv),
                                          "uniform_", -bound, bound)),
-            (mixer.conv1d_bias, _drawn(seed, f"{name}.conv1d_bias", (mixer.d_inner + state,), "uniform_", -bound, bound)),
+            (mixer.conv1d_bias, _drawn(seed, f"{name}.conv1d_bias", (mixer.d_inner + state,), "uniform_",
+                                       -bound, bound)),
             (mixer.dt_bias, dt + torch.log(-torch.expm1(-dt))),
             (mixer.A_log, _drawn(seed, f"{name}.A", (mixer.nheads,), "uniform_", 1.0, 16.0).log()),
         ]

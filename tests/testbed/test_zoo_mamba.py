@@ -14,7 +14,7 @@ mtp-cp-loss-scale (the MTP defects those fix are not Mamba's).
 
 Sequence boundaries reach the Mamba kernels only as ``PackedSeqParams.seq_idx``, which
 ``PackedSeqParams.__post_init__`` computes only when ``total_tokens`` is given
-(``packed_seq_params.py:30-70``; read at ``ssm/mamba_mixer.py:750``): without it the packed row's
+(``packed_seq_params.py:30-68``; read at ``ssm/mamba_mixer.py:750``): without it the packed row's
 sequences leak state into each other (shown below), so ``mtp.packed_seq_params`` sets it.
 """
 
@@ -109,7 +109,8 @@ def layout_steps(layout):
 
     calls = _Calls(("mamba_split_conv1d_scan_combined", "mamba_chunk_scan_combined"))
     partitioning = _Calls(("thd_get_partitioned_indices",))
-    with cpu_shims.swapped(calls.shims(mamba_mixer) + (partitioning.shims(mamba_context_parallel.tex) if cp > 1 else [])):
+    counted = calls.shims(mamba_mixer) + (partitioning.shims(mamba_context_parallel.tex) if cp > 1 else [])
+    with cpu_shims.swapped(counted):
         results["padded"] = _step(step, rows["padded"].microbatch(labels=False), cp_fix)
         facts["padded calls"], facts["padded seq_idx"] = dict(calls.counts), list(calls.seq_idx)
         facts["thd partitionings"] = dict(partitioning.counts)
@@ -125,14 +126,15 @@ def layout_steps(layout):
     leaking["packed_seq_params"] = dataclasses.replace(leaking["packed_seq_params"], total_tokens=None, seq_idx=None)
     results["padded, no seq_idx"] = _step(step, leaking, ())
     # upstream's unfused path (use_mamba_mem_eff_path=False): its own F.conv1d, the scan, the gated norm
-    unfused = build_tiny_hybrid(hybrid_layer_pattern=PATTERN, calculate_per_token_loss=True, use_mamba_mem_eff_path=False)
+    unfused = build_tiny_hybrid(hybrid_layer_pattern=PATTERN, calculate_per_token_loss=True,
+                                use_mamba_mem_eff_path=False)
     calls.counts.clear()
     with cpu_shims.swapped(calls.shims(mamba_mixer)):
         results["reference, unfused"] = _step(MegatronStep(unfused, optimizer=None), reference, ())
     facts["unfused calls"] = dict(calls.counts)
     facts["modules"] = _module_facts(model)
-    facts["expected seq_idx"] = [[sequence for sequence, slots in enumerate(rows["padded"].cu_seqlens_padded.diff().tolist())
-                                  for _ in range(slots)]]
+    padded = rows["padded"].cu_seqlens_padded.diff().tolist()
+    facts["expected seq_idx"] = [[sequence for sequence, slots in enumerate(padded) for _ in range(slots)]]
     return results, facts
 
 
@@ -191,15 +193,36 @@ def test_stand_ins_are_scoped_to_the_shims_and_leave_nothing_behind():
         assert mamba_mixer._check_mamba_sequence_packing_support(for_inference_not_training=False) == (True, None)
         assert mamba_mixer._check_mamba_sequence_packing_support(for_inference_not_training=True)[0] is False
         assert mamba_context_parallel.tex.thd_get_partitioned_indices is cpu_shims.thd_get_partitioned_indices
-        assert mamba_context_parallel.is_te_min_version("1.10.0") and not mamba_context_parallel.is_te_min_version("2.0")
+        assert mamba_context_parallel.is_te_min_version("1.10.0")
+        assert not mamba_context_parallel.is_te_min_version("2.0")
         with pytest.raises(AttributeError, match="Transformer Engine is not installed"):
             mamba_context_parallel.tex.thd_read_half_tensor  # noqa: B018 - nothing else of TE stood in
     assert all(vars(mamba_mixer)[name] is value for name, value in stock.items())
     assert (mamba_context_parallel.tex, mamba_context_parallel.is_te_min_version) == stock_te
-    assert not [name for name in sys.modules
-                if name.split(".")[0] in ("mamba_ssm", "causal_conv1d", "transformer_engine", "transformer_engine_torch")]
+    kernels = ("mamba_ssm", "causal_conv1d", "transformer_engine", "transformer_engine_torch")
+    assert not [name for name in sys.modules if name.split(".")[0] in kernels]
     with pytest.raises(ImportError, match="MambaSSM is not installed"):
         mamba_mixer.MambaMixer(None, None, d_model=64)
+
+
+def test_tp_shards_follow_the_components_of_partition_sizes():
+    """A parameter packing components (``partition_sizes``, per-rank rows of each: Mamba's in_proj
+    z|x|B|C|dt) is sharded component by component, any other in contiguous blocks; tp_unshard inverts
+    both (what the test bed's gradient gathering and TP-independent Mamba weights rely on)."""
+    import torch
+
+    from mtp_overlay.testing.tp_layout import tp_shard, tp_unshard
+
+    full = torch.arange(16.0).reshape(8, 2)  # at TP2: a 6-row component, then a 2-row one
+    packed, plain = torch.empty(4, 2), torch.empty(4, 2)
+    packed.partition_sizes = [3, 1]
+    shards = [tp_shard(full, packed, 2, rank) for rank in range(2)]
+    assert torch.equal(shards[0], full[[0, 1, 2, 6]]) and torch.equal(shards[1], full[[3, 4, 5, 7]])
+    assert torch.equal(tp_unshard(shards, packed), full)
+    assert torch.equal(tp_shard(full, plain, 2, 1), full[4:])
+    assert torch.equal(tp_unshard([tp_shard(full, plain, 2, rank) for rank in range(2)], plain), full)
+    with pytest.raises(ValueError, match=r"does not shard into 2 ranks of \(4, 2\)"):
+        tp_shard(full[:6], packed, 2, 0)
 
 
 def assert_same(result, reference, name):
@@ -209,7 +232,8 @@ def assert_same(result, reference, name):
     assert result.zero_grad_params == (), (name, result.zero_grad_params)
     for part in ("mtp", "lm"):
         assert result.relative_error(reference, part) < EXACT, (name, part)
-        assert float(np.abs(result.grads[part].astype(np.float64) - reference.grads[part]).max()) <= MAX_GRAD, (name, part)
+        largest = float(np.abs(result.grads[part].astype(np.float64) - reference.grads[part]).max())
+        assert largest <= MAX_GRAD, (name, part, largest)
 
 
 def run_layout(layout):
