@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 
 from mtp_overlay.testing.launcher import run_ranks_checked
+from mtp_overlay.testing.tiny_hybrid import MAMBA_CHUNK_SIZE
 
 PATTERN = "M*M-/M*-"
 MAMBA_LAYERS = 3  # two in the decoder, one in the MTP depth
@@ -114,10 +115,14 @@ def layout_steps(layout):
         results["padded"] = _step(step, rows["padded"].microbatch(labels=False), cp_fix)
         facts["padded calls"], facts["padded seq_idx"] = dict(calls.counts), list(calls.seq_idx)
         facts["thd partitionings"] = dict(partitioning.counts)
-        calls.counts.clear(), calls.seq_idx.clear()
+        calls.counts.clear()
+        calls.seq_idx.clear()
         results["reference"] = _step(step, reference, cp_fix)
         facts["reference calls"], facts["reference seq_idx"] = dict(calls.counts), list(calls.seq_idx)
     results["unpadded"] = _step(step, rows["unpadded"].microbatch(labels=False), (ROLL,) + cp_fix)
+    facts["heads, groups, group repeats per rank"] = [
+        (mixer.cp.nheads_local_tpcp, mixer.cp.ngroups_local_tpcp, getattr(mixer.cp, "group_repeat_count", 1))
+        for mixer in model.modules() if isinstance(mixer, mamba_mixer.MambaMixer)]
     if layout != "TP1":
         return (results, facts) if torch.distributed.get_rank() == 0 else None
 
@@ -134,12 +139,14 @@ def layout_steps(layout):
     facts["unfused calls"] = dict(calls.counts)
     facts["modules"] = _module_facts(model)
     padded = rows["padded"].cu_seqlens_padded.diff().tolist()
+    facts["sequence starts"] = rows["padded"].cu_seqlens_padded[:-1].tolist()
     facts["expected seq_idx"] = [[sequence for sequence, slots in enumerate(padded) for _ in range(slots)]]
     return results, facts
 
 
 def _module_facts(model):
     """What the Mamba layers are made of: upstream's classes, the stand-in norm, upstream's forward."""
+    from megatron.core.ssm import mamba_mixer
     from megatron.core.ssm.mamba_context_parallel import MambaContextParallel
     from megatron.core.ssm.mamba_layer import MambaLayer
     from megatron.core.ssm.mamba_mixer import MambaMixer
@@ -149,6 +156,8 @@ def _module_facts(model):
 
     layers = [module for module in model.modules() if isinstance(module, MambaLayer)]
     return dict(
+        kernels=[vars(mamba_mixer)[name] is getattr(cpu_shims, name)
+                 for name in ("mamba_split_conv1d_scan_combined", "mamba_chunk_scan_combined")],
         layers=[type(layer) is MambaLayer for layer in layers],
         mixers=[type(layer.mixer) is MambaMixer for layer in layers],
         in_proj=[type(layer.mixer.in_proj) is ColumnParallelLinear for layer in layers],
@@ -254,10 +263,12 @@ def test_upstream_mamba_layers_run_with_only_the_kernels_stood_in(tp1):
     results, facts = tp1
     modules = facts["modules"]
     assert modules["in_mtp"] == 1 and len(modules["layers"]) == MAMBA_LAYERS
+    assert modules["kernels"] == [True, True]  # the names megatron-core calls hold the stand-ins themselves
     for key in ("layers", "mixers", "in_proj", "out_proj", "context_parallel", "norms"):
         assert modules[key] == [True] * MAMBA_LAYERS, key
     assert modules["forwards"] == [("megatron.core.ssm.mamba_layer", "megatron.core.ssm.mamba_mixer")] * MAMBA_LAYERS
-    assert modules["chunk_sizes"] == [8] * MAMBA_LAYERS  # the packed row's sequences start inside chunks
+    assert modules["chunk_sizes"] == [MAMBA_CHUNK_SIZE] * MAMBA_LAYERS
+    assert any(start % MAMBA_CHUNK_SIZE for start in facts["sequence starts"])  # sequences start inside chunks too
     assert facts["padded calls"] == {"mamba_split_conv1d_scan_combined": MAMBA_LAYERS}
     assert facts["padded seq_idx"] == [facts["expected seq_idx"]] * MAMBA_LAYERS
     assert facts["reference calls"] == {"mamba_split_conv1d_scan_combined": MAMBA_LAYERS}
@@ -287,7 +298,10 @@ def test_layouts_equal_the_tp1_reference(tp1, layout):
     reference = tp1[0]["reference"]
     for name in ("padded", "unpadded", "reference"):
         assert_same(results[name], reference, f"{layout} {name}")
-    cp = LAYOUTS[layout][2]
+    _, tp, cp, _, _ = LAYOUTS[layout]
+    # 8 heads in 2 groups over TP x CP; at TP2xCP2 a group's heads are split over both CP ranks
+    heads, groups = 8 // (tp * cp), max(2 // (tp * cp), 1)
+    assert facts["heads, groups, group repeats per rank"] == [(heads, groups, max(tp * cp // 2, 1))] * MAMBA_LAYERS
     # per Mamba layer and forward, upstream un-balances the CP layout before the scan and re-balances it
     # after, asking the partitioning of every CP rank each time
     assert facts["thd partitionings"] == ({"thd_get_partitioned_indices": 2 * cp * MAMBA_LAYERS} if cp > 1 else {})
