@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 from mtp_overlay.testing.launcher import run_ranks_checked
-from mtp_overlay.testing.tiny_hybrid import MAMBA_CHUNK_SIZE
+from mtp_overlay.testing.tiny_hybrid import MAMBA_CHUNK_SIZE, MAMBA_SETTINGS
 
 PATTERN = "M*M-/M*-"
 MAMBA_LAYERS = 3  # two in the decoder, one in the MTP depth
@@ -299,9 +299,11 @@ def test_layouts_equal_the_tp1_reference(tp1, layout):
     for name in ("padded", "unpadded", "reference"):
         assert_same(results[name], reference, f"{layout} {name}")
     _, tp, cp, _, _ = LAYOUTS[layout]
-    # 8 heads in 2 groups over TP x CP; at TP2xCP2 a group's heads are split over both CP ranks
-    heads, groups = 8 // (tp * cp), max(2 // (tp * cp), 1)
-    assert facts["heads, groups, group repeats per rank"] == [(heads, groups, max(tp * cp // 2, 1))] * MAMBA_LAYERS
+    # the heads (d_inner = 2 * hidden 64) and groups over TP x CP; where there are fewer groups than
+    # TP x CP ranks (TP2xCP2) a group's heads are split over CP ranks, each repeating its state
+    heads, groups = 2 * 64 // MAMBA_SETTINGS["mamba_head_dim"], MAMBA_SETTINGS["mamba_num_groups"]
+    per_rank = (heads // (tp * cp), max(groups // (tp * cp), 1), max(tp * cp // groups, 1))
+    assert facts["heads, groups, group repeats per rank"] == [per_rank] * MAMBA_LAYERS
     # per Mamba layer and forward, upstream un-balances the CP layout before the scan and re-balances it
     # after, asking the partitioning of every CP rank each time
     assert facts["thd partitionings"] == ({"thd_get_partitioned_indices": 2 * cp * MAMBA_LAYERS} if cp > 1 else {})
