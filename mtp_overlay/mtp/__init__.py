@@ -32,7 +32,8 @@ Packing and CP sharding (``packing``), vectorised, no Python loop over sequences
     packed_seq_params(packed, real_lengths=False) -> megatron PackedSeqParams (thd). The tensors sit
         on the padded boundaries; cu_seqlens_q holds them too (NeMo-RL's default), or with
         real_lengths=True the real ones (the model_slices_context_parallel_inputs path: the MTP roll
-        then needs fix mtp-packed-roll)
+        then needs fix mtp-packed-roll); ``total_tokens`` set where megatron-core has it, so its
+        ``seq_idx`` tells Mamba layers where each sequence starts
 
 Layout (``layout``)
     model_slices_context_parallel(model) -> bool

@@ -143,11 +143,21 @@ def packed_seq_params(packed, real_lengths=False):
     ``real_lengths=True`` puts the real boundaries there (NeMo-RL's ``model_slices_context_parallel_inputs``
     path, PR #3494): attention then skips the padding, and the MTP roll needs fix mtp-packed-roll (or an
     upstream rolling on the padded boundaries, Megatron-LM #4494).
+
+    ``total_tokens`` is the row's length where megatron-core has the field (0.18.2 and 0.19.2 do,
+    0.16.1 not): only then does ``PackedSeqParams.__post_init__`` compute ``seq_idx``, the sequence of
+    every packed slot, which is all a Mamba layer learns of the boundaries (0.19.2
+    ``ssm/mamba_mixer.py:750``); without it the SSM state and the conv window run on from one sequence
+    into the next. Megatron-Bridge's ``gpt_step`` sets it for hybrid models for that reason.
     """
+    import dataclasses
+
     from megatron.core.packed_seq_params import PackedSeqParams
 
     cu = packed.cu_seqlens_padded
     real = packed.cu_seqlens if real_lengths else cu
+    fields = {field.name for field in dataclasses.fields(PackedSeqParams)}
+    total = {"total_tokens": int(cu[-1])} if "total_tokens" in fields else {}
     return PackedSeqParams(
         qkv_format="thd",
         cu_seqlens_q=real,
@@ -156,6 +166,7 @@ def packed_seq_params(packed, real_lengths=False):
         cu_seqlens_kv_padded=cu,
         max_seqlen_q=packed.max_seqlen,
         max_seqlen_kv=packed.max_seqlen,
+        **total,
     )
 
 

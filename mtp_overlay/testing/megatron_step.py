@@ -464,6 +464,8 @@ def _full_flat(model, tensor_of, named=None):
     import torch
     from megatron.core import parallel_state
 
+    from .tp_layout import tp_unshard
+
     tp_group = parallel_state.get_tensor_model_parallel_group()
     tp_size = torch.distributed.get_world_size(tp_group)
     for name, param in model.named_parameters() if named is None else named:
@@ -472,7 +474,7 @@ def _full_flat(model, tensor_of, named=None):
         if tp_size > 1 and getattr(param, "tensor_model_parallel", False):
             shards = [torch.empty_like(tensor) for _ in range(tp_size)]
             torch.distributed.all_gather(shards, tensor.contiguous(), group=tp_group)
-            tensor = torch.cat(shards, dim=param.partition_dim)
+            tensor = tp_unshard(shards, param)
         yield name, tensor.reshape(-1).cpu()
 
 

@@ -485,15 +485,18 @@ def full_grads(model):
     for name, param in model.named_parameters():
         grad = param.grad if param.grad is not None else torch.zeros_like(param)
         if getattr(param, "tensor_model_parallel", False):
-            grad = _gather_tensor_parallel(grad, dim=param.partition_dim)
+            grad = _gather_tensor_parallel(grad, dim=param.partition_dim, parameter=param)
         names.append(name)
         grads.append(grad.detach().clone())
     return tuple(names), tuple(grads)
 
 
-def _gather_tensor_parallel(tensor, dim):
+def _gather_tensor_parallel(tensor, dim, parameter=None):
+    """``tensor`` gathered over TP along ``dim``; a parameter's shard in its TP1 layout (`tp_layout`)."""
     import torch.distributed as dist
     from megatron.core import parallel_state
+
+    from .tp_layout import tp_unshard
 
     group = parallel_state.get_tensor_model_parallel_group()
     size = dist.get_world_size(group)
@@ -501,4 +504,4 @@ def _gather_tensor_parallel(tensor, dim):
         return tensor.detach()
     parts = [torch.empty_like(tensor) for _ in range(size)]
     dist.all_gather(parts, tensor.detach().contiguous(), group=group)
-    return torch.cat(parts, dim=dim)
+    return torch.cat(parts, dim=dim) if parameter is None else tp_unshard(parts, parameter)

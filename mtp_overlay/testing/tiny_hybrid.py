@@ -12,11 +12,26 @@ is swapped for ``WrappedTorchNorm`` by a CPU shim (``cpu_shims``).
 With the default pattern ``"*-*-/*-"`` the model holds the same parameters, in the same order and
 (from one seed) with the same values as ``tiny_gpt.build_tiny_gpt()`` (2 layers, 1 MTP layer):
 ``is_hybrid_model=True`` scales the output-layer init by ``num_layers`` (4 pattern layers) where
-GPT scales by ``2 * num_layers`` (2 transformer layers). Mamba ('M') layers need ``mamba_ssm``
-kernels and are not supported here.
+GPT scales by ``2 * num_layers`` (2 transformer layers).
+
+Mamba ('M') is megatron-core's own ``MambaLayer`` (the local norm, then ``MambaMixer`` with
+ColumnParallelLinear in_proj and RowParallelLinear out_proj). Its kernels (``mamba_ssm``'s fused
+conv + SSD scan, gated RMSNorm) do not exist on a CPU machine: the test bed's shims stand them in
+(``cpu_shims.mamba_shims``). The tiny mixer has 8 heads of 16 in 2 groups, d_state 8, and scans in
+chunks of 8 (``MAMBA_CHUNK_SIZE``, through the mixer spec's ``chunk_size`` as Megatron-Bridge sets
+it), so a packed row's sequences start inside chunks; its weights do not depend on the TP size
+(`tp_independent_mamba_weights`).
 """
 
+import zlib
+
 from .tiny_gpt import _device
+from .tp_layout import tp_shard
+
+# the tiny Mamba mixer: d_inner = 2 * hidden (64) = 128 = 8 heads of 16, in 2 groups (TP2 x CP2 still
+# gives each rank a head group's share), d_state 8; chunks of 8 steps
+MAMBA_SETTINGS = dict(mamba_head_dim=16, mamba_num_groups=2, mamba_state_dim=8)
+MAMBA_CHUNK_SIZE = 8
 
 
 def local_hybrid_stack_spec(config=None):
@@ -28,6 +43,8 @@ def local_hybrid_stack_spec(config=None):
     from megatron.core.models.backends import LocalSpecProvider
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_submodules
     from megatron.core.models.hybrid.hybrid_block import HybridStack, HybridStackSubmodules
+    from megatron.core.ssm.mamba_layer import MambaLayer, MambaLayerSubmodules
+    from megatron.core.ssm.mamba_mixer import MambaMixer, MambaMixerSubmodules
     from megatron.core.ssm.mlp_layer import MLPLayer
     from megatron.core.transformer.multi_token_prediction import (
         MultiTokenPredictionBlock,
@@ -48,6 +65,11 @@ def local_hybrid_stack_spec(config=None):
         submodules=HybridStackSubmodules(
             attention_layer=ModuleSpec(module=TransformerLayer, submodules=attention),
             mlp_layer=ModuleSpec(module=MLPLayer, submodules=mlp),
+            mamba_layer=ModuleSpec(module=MambaLayer, submodules=MambaLayerSubmodules(
+                norm=gpt.input_layernorm, mamba_bda=gpt.self_attn_bda, mixer=ModuleSpec(
+                    module=MambaMixer, submodules=MambaMixerSubmodules(
+                        in_proj=LocalSpecProvider().column_parallel_linear(),
+                        out_proj=LocalSpecProvider().row_parallel_linear())))),
             mtp_block_spec=ModuleSpec(
                 module=MultiTokenPredictionBlock,
                 submodules=MultiTokenPredictionBlockSubmodules(layer_specs=[mtp_layer]),
@@ -71,8 +93,8 @@ def build_tiny_hybrid(
     """A HybridModel (local spec, RoPE, no dropout); MTP depths from the pattern's ``/`` parts.
 
     TP and CP sizes come from ``parallel_state``; ``num_layers`` and ``mtp_num_layers`` from
-    ``hybrid_layer_pattern`` (symbols '*' attention and '-' MLP only). ``config_overrides`` go to
-    TransformerConfig; ``scatter_embedding_sequence_parallel`` goes to HybridModel.
+    ``hybrid_layer_pattern`` (symbols '*' attention, '-' MLP, 'M' Mamba; with 'M', ``MAMBA_SETTINGS``).
+    ``config_overrides`` go to TransformerConfig; ``scatter_embedding_sequence_parallel`` goes to HybridModel.
     """
     import torch
     from megatron.core import parallel_state
@@ -82,9 +104,9 @@ def build_tiny_hybrid(
 
     parsed = parse_hybrid_pattern(hybrid_layer_pattern)
     symbols = set((parsed.main_pattern or "") + (parsed.mtp_pattern or "")) - {"|"}
-    if not parsed.main_pattern or not symbols <= {"*", "-"}:
+    if not parsed.main_pattern or not symbols <= {"*", "-", "M"}:
         raise ValueError(
-            f"hybrid_layer_pattern must be attention '*' and MLP '-' layers, with '/'-separated MTP "
+            f"hybrid_layer_pattern must be attention '*', MLP '-' and Mamba 'M' layers, with '/'-separated MTP "
             f"depths (e.g. '*-*-/*-'), got {hybrid_layer_pattern!r}"
         )
     settings = dict(
@@ -100,15 +122,73 @@ def build_tiny_hybrid(
         hidden_dropout=0.0,
         attention_dropout=0.0,
     )
+    if "M" in symbols:
+        settings.update(MAMBA_SETTINGS)
     config = TransformerConfig(**{**settings, **config_overrides})
+    spec = local_hybrid_stack_spec()
+    spec.submodules.mamba_layer.submodules.mixer.params["chunk_size"] = MAMBA_CHUNK_SIZE
     torch.manual_seed(seed)
     model = HybridModel(
         config=config,
-        hybrid_stack_spec=local_hybrid_stack_spec(),
+        hybrid_stack_spec=spec,
         vocab_size=vocab_size,
         max_sequence_length=max_sequence_length,
         hybrid_layer_pattern=hybrid_layer_pattern,
         position_embedding_type="rope",
         scatter_embedding_sequence_parallel=scatter_embedding_sequence_parallel,
     )
+    tp_independent_mamba_weights(model, seed)
     return model.to(_device())
+
+
+def tp_independent_mamba_weights(model, seed):
+    """Give every ``MambaMixer`` in ``model`` weights that do not depend on the TP size (in place).
+
+    megatron-core 0.19.2 draws conv1d, ``dt_bias`` and ``A_log`` on each TP rank from that rank's
+    model-parallel RNG (``ssm/mamba_mixer.py:318,370``, ``get_cuda_rng_tracker().fork()``), and with
+    ``use_cpu_initialization`` cuts in_proj's full weight into contiguous row blocks
+    (``tensor_parallel/layers.py:184``) while its TP layout is per component: z, x, B, C and dt each
+    sharded (the weight's ``partition_sizes``, ``ssm/mamba_mixer.py:305``). From one seed a TP2 model
+    is another model than TP1's. Here each of those weights is drawn full-size from a generator
+    seeded by ``seed`` and the parameter's name, with upstream's distribution (in_proj normal(0,
+    init_method_std); conv1d weight and bias uniform(+-1/sqrt(d_conv)), what its kaiming-uniform init
+    gives; dt log-uniform in [0.001, 0.1], floored at 1e-4, stored as its inverse softplus; A uniform
+    in [1, 16], stored as its log), and this rank's shard taken component by component
+    (`tp_layout.tp_shard`). D, the norm (ones) and out_proj (split along its input, which is its TP
+    layout) stay as built. CP ranks hold their TP rank's full tensors, as upstream's do.
+    """
+    import math
+
+    import torch
+    from megatron.core.ssm.mamba_mixer import MambaMixer
+
+    for name, mixer in model.named_modules():
+        if not isinstance(mixer, MambaMixer):
+            continue
+        tp_size, tp_rank = mixer.pg_collection.tp.size(), mixer.pg_collection.tp.rank()
+        state = 2 * mixer.ngroups * mixer.d_state  # B and C
+        bound = 1 / math.sqrt(mixer.d_conv)
+        dt = _drawn(seed, f"{name}.dt", (mixer.nheads,), "uniform_", math.log(1e-3), math.log(1e-1))
+        dt = dt.exp().clamp(min=1e-4)
+        full = [
+            (mixer.in_proj.weight, _drawn(seed, f"{name}.in_proj.weight", (2 * mixer.d_inner + state + mixer.nheads,
+                                          mixer.d_model), "normal_", 0.0, mixer.config.init_method_std)),
+            (mixer.conv1d_weight, _drawn(seed, f"{name}.conv1d_weight", (mixer.d_inner + state, 1, mixer.d_conv),
+                                         "uniform_", -bound, bound)),
+            (mixer.conv1d_bias, _drawn(seed, f"{name}.conv1d_bias", (mixer.d_inner + state,), "uniform_",
+                                       -bound, bound)),
+            (mixer.dt_bias, dt + torch.log(-torch.expm1(-dt))),
+            (mixer.A_log, _drawn(seed, f"{name}.A", (mixer.nheads,), "uniform_", 1.0, 16.0).log()),
+        ]
+        with torch.no_grad():
+            for parameter, value in full:
+                parameter.copy_(tp_shard(value, parameter, tp_size, tp_rank))
+
+
+def _drawn(seed, key, shape, fill, *arguments):
+    """A float64 tensor of ``shape`` filled in place by ``fill`` ("normal_" or "uniform_") with
+    ``arguments``, from a generator seeded by ``seed`` and ``key``: the same on every rank and TP size."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed + zlib.crc32(key.encode()))
+    return getattr(torch.empty(shape, dtype=torch.float64), fill)(*arguments, generator=generator)

@@ -70,6 +70,21 @@ def test_mask_and_tokens_share_boundaries(batch, pad_multiple):
 
 
 @PROPERTY
+@given(batches(), st.integers(1, 8), st.booleans())
+def test_packed_seq_params_tell_every_slot_its_sequence(batch, pad_multiple, real_lengths):
+    """A Mamba layer learns where packed sequences start only from ``PackedSeqParams.seq_idx``, which
+    megatron-core computes only when ``total_tokens`` is given: each slot gets the sequence whose
+    padded span holds it, in both flavours."""
+    input_ids, lengths, mask = batch
+    packed = mtp.pack_sequences(input_ids, lengths, mask, pad_multiple=pad_multiple)
+    params = mtp.packed_seq_params(packed, real_lengths=real_lengths)
+    padded = packed.cu_seqlens_padded.long()
+    slot_sequence = torch.searchsorted(padded, torch.arange(int(padded[-1])), right=True) - 1
+    assert params.total_tokens == int(padded[-1])
+    assert torch.equal(params.seq_idx.long(), slot_sequence[None, :])
+
+
+@PROPERTY
 @given(batches(), st.integers(2, 4))
 def test_all_cp_shards_in_chunk_order_rebuild_the_packed_row(batch, cp_size):
     input_ids, lengths, mask = batch
