@@ -22,7 +22,7 @@ Usage (``fn`` must be a module-level function, its arguments and return value pi
         sequence_parallel=True, scatter_embedding_sequence_parallel=False))
     assert "Sizes of tensors must match" in results[0].error
 
-* ``RankPool(world_size, *, tp=1, cp=1, seed=1234, device="cpu", log=None)``: ranks started once,
+* ``RankPool(world_size, *, tp=1, cp=1, pp=1, seed=1234, device="cpu", log=None)``: ranks started once,
   ``.run(fn, *, args=(), kwargs=None, fixes=None, timeout=300) -> list[RankResult]`` (rank, value,
   error) as many times as wanted (a failed run restarts the ranks); ``fixes``: None installs what
   ``import mtp_overlay`` installs, a list exactly those fixes, ``[]`` none; ``log``: a file for the
@@ -33,7 +33,11 @@ Usage (``fn`` must be a module-level function, its arguments and return value pi
   **config_overrides)``: GPTModel, local spec, RoPE, identical full weights at any TP/CP.
 * ``tiny_hybrid.build_tiny_hybrid(*, seed, hybrid_layer_pattern="*-*-/*-", sequence_parallel,
   scatter_embedding_sequence_parallel, ...)``: HybridModel from local modules (attention '*', MLP
-  '-', MTP depths after '/'); the default pattern holds build_tiny_gpt()'s parameters in order.
+  '-', MTP depths after '/', pipeline stages between '|'); the default pattern holds
+  build_tiny_gpt()'s parameters in order.
+* ``pipeline``: under PP (``pp=2``) both tiny builders give this rank's stage holding the PP1 model's
+  weights (``build_stage``: built at PP1, loaded by global parameter name), ``global_names``,
+  ``stage_keys`` (what a stage's forward gets), ``gather_stages`` (every stage's tensors, by name).
 * ``packed``: ``make_packed_row(lengths, *, pad_multiple, flavour="padded"|"unpadded", prompts)``
   (NeMo-RL packing; ``PackedSeqParams`` with cu_seqlens_q padded, or real + cu_seqlens_q_padded),
   ``cp_local`` (per-sequence 2*CP chunks), ``SelfSlicingCP`` (takes full rows, slices CP itself,
@@ -59,7 +63,10 @@ Usage (``fn`` must be a module-level function, its arguments and return value pi
   update_norm. ``tiny_gpt.train_step`` is its hand-written imitation; both agree at TP1. A microbatch
   may be a packed THD row (``PackedRow.microbatch``: [1, T] tensors plus ``packed_seq_params``, CP-sharded
   per sequence); ``PackedRow.reference_microbatch`` holds each sequence alone (BSHD) for the reference;
-  ``mtp_mask="scoped"`` routes the RL MTP mask through ``mtp_overlay.mtp.loss_mask_scope``.
+  ``mtp_mask="scoped"`` routes the RL MTP mask through ``mtp_overlay.mtp.loss_mask_scope``. Under
+  PP the schedule is ``forward_backward_pipelining_without_interleaving`` (activations over gloo
+  point-to-point; packed rows of different lengths with ``config.variable_seq_lengths``), the losses
+  come from the last stage and the gradients from every stage, under the PP1 names.
 * ``parity``: Megatron's step on model x layout (BSHD, THD padded / unpadded) x parallelism, stock and
   with every megatron-core fix (``parity_table`` / ``markdown``: ``scripts/parity.py``), and the
   composition cases of the real path (``composition_cases``, ``expected_outcome``: which fixes a path
@@ -74,7 +81,8 @@ Usage (``fn`` must be a module-level function, its arguments and return value pi
   and the CLI path's), ``vllm_drafter`` (real MTP drafter modules), ``streams`` (CUDA-stream and
   communicator stand-ins for the weight-transfer producer).
 * ``cpu_shims``: the CPU stand-ins (HybridStack's TE final norm, TE's CP and THD attention, DDP's
-  stream, the schedule's CUDA tensors, Bridge's TE import), installed by the launcher on CPU; test
+  stream, the schedule's CUDA tensors, the pipeline's synchronize and embedding-copy ``.cuda()``,
+  Bridge's TE import), installed by the launcher on CPU; test
   scaffolding only, ``cpu_shims()`` context manager or ``install()`` / ``uninstall()``.
 * ``releases``: other upstream releases side by side (``release_site``, ``copy_installed``,
   ``link_installed``, ``run_with_release``, ``record_sha256``); ``remote_code``: a tiny

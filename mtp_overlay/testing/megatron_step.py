@@ -454,7 +454,8 @@ def _full_flat(model, tensor_of):
 
 
 def _finalized_grads(model):
-    """The finalized main_grads, TP shards gathered, as flat "mtp" / "lm" vectors, with norms."""
+    """The finalized main_grads, TP shards (and pipeline stages) gathered, as flat "mtp" / "lm" vectors
+    and their names, with norms."""
     import torch
 
     parts, names = {"mtp": [], "lm": []}, {"mtp": [], "lm": []}

@@ -7,8 +7,8 @@ from the pattern's ``|``-separated segments (``models/hybrid/hybrid_layer_alloca
 ``select_pipeline_segment``; a pattern without ``|`` is split evenly, deprecated) and builds the MTP
 block on the last stage only (``transformer/multi_token_prediction.py`` ``mtp_on_this_rank`` without
 a custom layout), with its own copy of the word embeddings there: MTP embeds the input ids again.
-That copy starts as the first stage's (zeroed, then all-reduced over the embedding group,
-``models/common/language_module/language_module.py:302-308``), and ``finalize_model_grads``
+That copy starts as the first stage's (zeroed, then all-reduced over the embedding group:
+``models/common/language_module/language_module.py:279-284, 302-308``), and ``finalize_model_grads``
 all-reduces the two copies' gradients (``distributed/finalize_model_grads.py``
 ``_allreduce_word_embedding_grads``). A stage numbers its decoder layers from 0; each layer's
 ``layer_number`` is global.
@@ -24,10 +24,10 @@ all-reduces the two copies' gradients (``distributed/finalize_model_grads.py``
 * `gather_stages`: every stage's ``(global name, tensor)`` pairs on every rank, in stage order (the
   PP1 model's parameter order); a parameter held by two stages (the embedding copy) once, after
   checking that both copies agree.
-* `ForwardFailures`: a stage whose forward raises (a stock crash, a fix's refusal: both live in the
-  MTP block, on the last stage) still takes its part in the schedule's exchanges, with a stand-in
-  output of the right shape; after the schedule every stage raises the first stage's error. Without
-  it the other stages would wait for that stage's activations or gradients forever.
+* `ForwardFailures`: a stage whose forward raises (a stock crash, a fix's refusal: on the MTP stage
+  in the parity table's cases) still takes its part in the schedule's exchanges, with a stand-in
+  output of the right shape; after the schedule every stage raises the error of the first stage that
+  had one. Without it the other stages would wait for that stage's activations or gradients forever.
 
 Call inside ``run_ranks`` workers (model parallelism initialised with ``pp``).
 """
@@ -180,7 +180,8 @@ class ForwardFailures:
     losses), elsewhere zeros shaped like the activations the next stage receives ([seq / CP (/ TP
     under SP), mbs, hidden] of the microbatch's ``full_shape`` [mbs, seq]); both depend on the
     stage's input activations, so a zero gradient travels back. `raise_first` (a collective over the
-    pipeline group) then raises the error of the first stage that had one, on every stage.
+    pipeline group) then raises the error of the first stage that had one, on every stage (on the
+    others with a note naming that stage).
     """
 
     def __init__(self, language_model):
