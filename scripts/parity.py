@@ -7,7 +7,7 @@ Megatron's own training step (DDP, get_forward_backward_func, finalize_model_gra
 unpacked, at TP1. --compose: HybridModel on the unpadded THD row (NeMo-RL's
 model_slices_context_parallel_inputs flavour), every subset that matters of the megatron-core fixes,
 MTP-block / rest-of-model gradient relerr against each sequence alone at TP1.
-Usage: PYTHONPATH=$PWD python scripts/parity.py [--compose] [--no-bridge] [--log FILE]
+Usage: PYTHONPATH=$PWD python scripts/parity.py [--compose] [--no-bridge] [--parallelisms P,P] [--log FILE]
 """
 
 import argparse
@@ -25,8 +25,15 @@ def main():
     parser.add_argument("--no-bridge", action="store_true",
                         help="leave out the NemotronH HybridModel built by Megatron-Bridge's provider (its import "
                              "costs ~15 s a rank; left out anyway when megatron-bridge is not installed)")
+    parser.add_argument("--parallelisms", default=",".join(parity.PARALLELISMS),
+                        help=f"comma-separated rows of the parity table to run (default: all of "
+                             f"{', '.join(parity.PARALLELISMS)}; the TP1 references always run)")
     parser.add_argument("--log", help="file for the ranks' output (default: a temporary file)")
     options = parser.parse_args()
+    parallelisms = tuple(name for name in options.parallelisms.split(",") if name)
+    unknown = [name for name in parallelisms if name not in parity.PARALLELISMS]
+    if unknown or not parallelisms:
+        parser.error(f"--parallelisms: {', '.join(unknown) or 'none given'}; known: {', '.join(parity.PARALLELISMS)}")
     bridge = not options.no_bridge and bridge_installed()
     log = options.log or os.path.join(tempfile.mkdtemp(prefix="mtp-parity-"), "ranks.log")
     started = time.perf_counter()
@@ -34,7 +41,7 @@ def main():
         print(parity.composition_markdown(*parity.run_composition(log=log)))
     else:
         models = [model for model in parity.MODELS if bridge or model not in parity.BRIDGE_MODELS]
-        print(parity.markdown(parity.parity_table(models, log=log)))
+        print(parity.markdown(parity.parity_table(models, parallelisms, log=log)))
         if not bridge:
             print(f"\n(no Megatron-Bridge model: {'--no-bridge' if options.no_bridge else BRIDGE_MISSING})")
     print(f"\noverlay: {', '.join(parity.megatron_core_fixes())}; {time.perf_counter() - started:.0f} s "

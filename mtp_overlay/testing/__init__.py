@@ -22,7 +22,7 @@ Usage (``fn`` must be a module-level function, its arguments and return value pi
         sequence_parallel=True, scatter_embedding_sequence_parallel=False))
     assert "Sizes of tensors must match" in results[0].error
 
-* ``RankPool(world_size, *, tp=1, cp=1, seed=1234, device="cpu", log=None)``: ranks started once,
+* ``RankPool(world_size, *, tp=1, cp=1, pp=1, seed=1234, device="cpu", log=None)``: ranks started once,
   ``.run(fn, *, args=(), kwargs=None, fixes=None, timeout=300) -> list[RankResult]`` (rank, value,
   error) as many times as wanted (a failed run restarts the ranks); ``fixes``: None installs what
   ``import mtp_overlay`` installs, a list exactly those fixes, ``[]`` none; ``log``: a file for the
@@ -33,7 +33,11 @@ Usage (``fn`` must be a module-level function, its arguments and return value pi
   **config_overrides)``: GPTModel, local spec, RoPE, identical full weights at any TP/CP.
 * ``tiny_hybrid.build_tiny_hybrid(*, seed, hybrid_layer_pattern="*-*-/*-", sequence_parallel,
   scatter_embedding_sequence_parallel, ...)``: HybridModel from local modules (attention '*', MLP
-  '-', MTP depths after '/'); the default pattern holds build_tiny_gpt()'s parameters in order.
+  '-', Mamba 'M', MTP depths after '/', pipeline stages between '|'); the default pattern holds
+  build_tiny_gpt()'s parameters in order.
+* ``pipeline``: under PP (``pp=2``) both tiny builders give this rank's stage holding the PP1 model's
+  weights (``build_stage``: built at PP1, loaded by global parameter name), ``global_names``,
+  ``stage_keys`` (what a stage's forward gets), ``gather_stages`` (every stage's tensors, by name).
 * ``tiny_llava``: megatron-core's own ``LLaVAModel`` with an MTP HybridModel (``build_tiny_llava``:
   pattern ``"*-*-/*-"``, 1-layer CLIP ViT, 32x32 images of 4 embeddings, MLP projector),
   ``make_llava_batch(image_positions)``, ``CombinedIdsReference`` (the language model run directly on
@@ -71,7 +75,10 @@ Usage (``fn`` must be a module-level function, its arguments and return value pi
   ``mtp_mask="scoped"`` routes the RL MTP mask through ``mtp_overlay.mtp.loss_mask_scope``. A
   microbatch with ``images`` goes whole to a LLaVAModel (or ``CombinedIdsReference``), whose
   returned combined loss mask the loss uses; ``grads["encoder"]`` holds its vision tower's and
-  projector's gradients.
+  projector's gradients. Under PP the schedule is ``forward_backward_pipelining_without_interleaving``
+  (activations over gloo point-to-point; packed rows of different lengths with
+  ``config.variable_seq_lengths``), the losses come from the last stage and the gradients from every
+  stage, under the PP1 names.
 * ``parity``: Megatron's step on model x layout (BSHD, THD padded / unpadded) x parallelism, stock and
   with every megatron-core fix (``parity_table`` / ``markdown``: ``scripts/parity.py``), and the
   composition cases of the real path (``composition_cases``, ``expected_outcome``: which fixes a path
@@ -91,9 +98,10 @@ Usage (``fn`` must be a module-level function, its arguments and return value pi
   and the CLI path's), ``vllm_drafter`` (real MTP drafter modules), ``streams`` (CUDA-stream and
   communicator stand-ins for the weight-transfer producer).
 * ``cpu_shims``: the CPU stand-ins (HybridStack's TE final norm, TE's CP and THD attention, DDP's
-  stream, the schedule's CUDA tensors, Bridge's TE import), installed by the launcher on CPU; test
-  scaffolding only, ``cpu_shims()`` context manager or ``install()`` / ``uninstall()``; LLaVAModel's
-  construction stand-ins (``llava_construction_stand_ins``) and Bridge's Omni specs are scoped.
+  stream, the schedule's CUDA tensors, the pipeline's synchronize and embedding-copy ``.cuda()``,
+  Bridge's TE import, Mamba's kernels), installed by the launcher on CPU; test scaffolding only,
+  ``cpu_shims()`` context manager or ``install()`` / ``uninstall()``; LLaVAModel's construction
+  stand-ins (``llava_construction_stand_ins``) and Bridge's Omni specs are scoped.
 * ``releases``: other upstream releases side by side (``release_site``, ``copy_installed``,
   ``link_installed``, ``run_with_release``, ``record_sha256``); ``remote_code``: a tiny
   trust_remote_code model and its Ray round trip.

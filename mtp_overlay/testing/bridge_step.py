@@ -221,8 +221,6 @@ def run_bridge_step(model, microbatches, *, update=False):
     microbatches: full-length Bridge batches (`sft_batch`'s keys); Bridge's ``get_batch`` slices
     them for CP itself. update: with megatron-core's optimizer step. Returns the MegatronStepResult.
     """
-    from megatron.core import parallel_state
-
     from .megatron_step import MegatronStep
 
     gpt_step = import_gpt_step()
@@ -233,7 +231,7 @@ def run_bridge_step(model, microbatches, *, update=False):
     shape = microbatches[0]["tokens"].shape
     return step.run(forward_step, iter([bridge_microbatch(batch) for batch in microbatches]),
                     num_microbatches=len(microbatches), micro_batch_size=shape[0],
-                    seq_length=shape[1] // parallel_state.get_context_parallel_world_size(), update=update)
+                    seq_length=shape[1], update=update)
 
 
 # --- mtp_num_layers: 0 on a repeated-layer NemotronH ------------------------------------------------

@@ -72,6 +72,18 @@ Megatron's own training step (``mtp_overlay.testing.megatron_step``):
   CPU when asked for ``"cuda"``; the gradient norm's multi-tensor L2 norm (megatron-core's local
   fallback returns it on "cuda") runs on the CPU. (Gradient clipping itself asserts CUDA tensor
   types: the test bed's optimizer does not clip.)
+
+Pipeline parallelism (PP > 1, ``mtp_overlay.testing.pipeline``):
+
+* The pipeline schedule's point-to-point exchanges call ``torch.cuda.synchronize()`` after their
+  requests completed (``pipeline_parallel/p2p_communication.py:263`` after the shape exchange of
+  ``variable_seq_lengths``, ``:419`` after every exchange with ``batch_p2p_comm`` and
+  ``batch_p2p_sync``, the defaults): that module sees a ``torch.cuda`` whose ``synchronize`` returns
+  at once (gloo's requests were waited on; CPU work is synchronous).
+* A stage that holds a copy of the word embeddings (the last one, for MTP or tied output weights)
+  zeroes it and all-reduces the first stage's values into it after ``weight.data.cuda()``
+  (``models/common/language_module/language_module.py:307``, in ``setup_embeddings_and_output_layer``):
+  during that method ``Tensor.cuda`` leaves a tensor where it is.
 """
 
 import builtins
@@ -131,8 +143,9 @@ def shims():
     from megatron.core.fusions import fused_softmax
     from megatron.core.models.common.embeddings import rope_utils, rotary_pos_embedding
     from megatron.core.models.common.embeddings import yarn_rotary_pos_embedding
+    from megatron.core.models.common.language_module.language_module import LanguageModule
     from megatron.core.optimizer import clip_grads, optimizer
-    from megatron.core.pipeline_parallel import schedules
+    from megatron.core.pipeline_parallel import p2p_communication, schedules
     from megatron.core.tensor_parallel import random
     from megatron.core.transformer import dot_product_attention, torch_norm, utils
 
@@ -206,6 +219,9 @@ def shims():
         Shim(optimizer, "torch", _CpuTensorFactories()),
         Shim(clip_grads, "torch", _CpuTensorFactories()),
         Shim(clip_grads, "l2_norm_impl", _cpu_l2_norm),
+        Shim(p2p_communication, "torch", _CpuSynchronizeTorch()),
+        Shim(LanguageModule, "setup_embeddings_and_output_layer",
+             _cuda_keeps_tensors_in_place(vars(LanguageModule)["setup_embeddings_and_output_layer"])),
     ]
 
 
@@ -310,6 +326,62 @@ class _CpuTensorFactories(types.ModuleType):
         import torch
 
         return self._on_cpu(torch.tensor, args, kwargs)
+
+
+class _CpuSynchronizeTorch(types.ModuleType):
+    """``torch`` as ``pipeline_parallel/p2p_communication.py`` sees it: its ``cuda`` is `_CpuSynchronizeCuda`.
+
+    Everything else is torch's own attribute (looked up on each access).
+    """
+
+    def __init__(self):
+        super().__init__("torch")
+        self.cuda = _CpuSynchronizeCuda()
+
+    def __getattr__(self, name):
+        import torch
+
+        return getattr(torch, name)
+
+
+class _CpuSynchronizeCuda(types.ModuleType):
+    """``torch.cuda`` whose ``synchronize()`` returns at once: on the CPU there is no device queue to
+    drain, and p2p_communication.py waits on every gloo request before it synchronizes."""
+
+    def __init__(self):
+        super().__init__("torch.cuda")
+
+    def __getattr__(self, name):
+        import torch
+
+        return getattr(torch.cuda, name)
+
+    @staticmethod
+    def synchronize(device=None):
+        pass
+
+
+def _cuda_keeps_tensors_in_place(method):
+    """``method`` run with ``Tensor.cuda`` returning the tensor itself (see the module docstring)."""
+
+    @functools.wraps(method)
+    def run_on_cpu(self, *args, **kwargs):
+        import torch
+
+        def stay(tensor, *args, **kwargs):
+            return tensor
+
+        own = vars(torch.Tensor).get("cuda")  # None: torch.Tensor inherits torch._C.TensorBase's
+        torch.Tensor.cuda = stay
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            if own is None:
+                del torch.Tensor.cuda
+            else:
+                torch.Tensor.cuda = own
+
+    return run_on_cpu
 
 
 def _cpu_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):

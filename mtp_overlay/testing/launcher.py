@@ -2,7 +2,7 @@
 
 A `RankPool` starts ``world_size`` processes once (forked from `preloaded`'s server, prepared as
 spawned ones); each joins a process group on 127.0.0.1 (gloo on CPU, nccl on CUDA) and calls
-``parallel_state.initialize_model_parallel(tp, 1, cp)``. Every ``pool.run(fn)`` then installs the
+``parallel_state.initialize_model_parallel(tp, pp, cp)``. Every ``pool.run(fn)`` then installs the
 asked-for fixes in the ranks, seeds every generator (torch, Python, Megatron's model-parallel RNG
 tracker) and runs ``fn(*args, **kwargs)`` on every rank: the cost of starting ranks and importing
 torch and megatron-core is paid once per pool, not per case. `run_ranks` is a pool used for one
@@ -33,7 +33,7 @@ DEVICES = ("cpu", "cuda")
 # life (a test suite's), keeping at most SHARED_POOLS of them started
 SHARED_RANKS = "MTP_OVERLAY_SHARED_RANKS"
 SHARED_POOLS = 3
-_shared = collections.OrderedDict()  # (world_size, tp, cp, seed, device, log, sys.path) -> RankPool
+_shared = collections.OrderedDict()  # (world_size, tp, cp, pp, seed, device, log, sys.path) -> RankPool
 
 
 @dataclasses.dataclass
@@ -60,18 +60,19 @@ class RanksFailed(RuntimeError):
 
 
 class RankPool:
-    """``world_size`` ranks with TP/CP set up, reused by every `run`; spawned at the first one.
+    """``world_size`` ranks with TP/CP/PP set up, reused by every `run`; spawned at the first one.
 
-    tp, cp: tensor / context parallel sizes (``world_size`` must be a multiple of ``tp * cp``; the
-    rest is data parallel). seed: seeds torch, ``random`` and Megatron's RNG tracker identically on
-    every rank before each run. device: "cpu" (gloo + CPU shims) or "cuda" (nccl, no shims, one GPU
-    per rank). log: a file the ranks' stdout and stderr go to (appended), or None to inherit ours.
-    Use it as a context manager, or call `close`.
+    tp, cp, pp: tensor / context / pipeline parallel sizes (``world_size`` must be a multiple of
+    ``tp * cp * pp``; the rest is data parallel). seed: seeds torch, ``random`` and Megatron's RNG
+    tracker identically on every rank before each run. device: "cpu" (gloo + CPU shims) or "cuda"
+    (nccl, no shims, one GPU per rank). log: a file the ranks' stdout and stderr go to (appended),
+    or None to inherit ours. Use it as a context manager, or call `close`.
     """
 
-    def __init__(self, world_size, *, tp=1, cp=1, seed=1234, device="cpu", log=None):
-        _check_layout(world_size, tp, cp, device)
+    def __init__(self, world_size, *, tp=1, cp=1, pp=1, seed=1234, device="cpu", log=None):
+        _check_layout(world_size, tp, cp, pp, device)
         self.world_size, self.tp, self.cp, self.seed, self.device = world_size, tp, cp, seed, device
+        self.pp = pp
         self.log = None if log is None else os.fspath(log)
         self._processes, self._connections = {}, {}
 
@@ -127,7 +128,7 @@ class RankPool:
         for rank in range(self.world_size):
             ours, theirs = context.Pipe(duplex=True)
             setup = dict(rank=rank, world_size=self.world_size, port=port, seed=self.seed, environ=dict(os.environ))
-            setup.update(tp=self.tp, cp=self.cp, device=self.device, log=self.log)
+            setup.update(tp=self.tp, cp=self.cp, pp=self.pp, device=self.device, log=self.log)
             self._processes[rank] = context.Process(target=_worker, args=(setup, theirs), daemon=True)
             self._connections[rank] = ours
             try:
@@ -136,16 +137,16 @@ class RankPool:
                 theirs.close()  # the child holds the only other end: EOF means it died
 
 
-def run_ranks(fn, world_size, *, tp=1, cp=1, args=(), kwargs=None, fixes=None, timeout=300, seed=1234,
+def run_ranks(fn, world_size, *, tp=1, cp=1, pp=1, args=(), kwargs=None, fixes=None, timeout=300, seed=1234,
               device="cpu", log=None, fresh=False):
     """``fn(*args, **kwargs)`` on ``world_size`` ranks: fresh ones (a `RankPool` for one run), or,
     with ``MTP_OVERLAY_SHARED_RANKS=1`` and not ``fresh``, the shared pool of this layout and sys.path."""
     options = dict(args=args, kwargs=kwargs, fixes=fixes, timeout=timeout)
     if fresh or os.environ.get(SHARED_RANKS) != "1":
-        with RankPool(world_size, tp=tp, cp=cp, seed=seed, device=device, log=log) as pool:
+        with RankPool(world_size, tp=tp, cp=cp, pp=pp, seed=seed, device=device, log=log) as pool:
             return pool.run(fn, **options)
-    key = (world_size, tp, cp, seed, device, log, tuple(sys.path))
-    pool = _shared.pop(key, None) or RankPool(world_size, tp=tp, cp=cp, seed=seed, device=device, log=log)
+    key = (world_size, tp, cp, pp, seed, device, log, tuple(sys.path))
+    pool = _shared.pop(key, None) or RankPool(world_size, tp=tp, cp=cp, pp=pp, seed=seed, device=device, log=log)
     _shared[key] = pool  # the most recently used last
     while len(_shared) > SHARED_POOLS:
         _shared.popitem(last=False)[1].close()
@@ -169,12 +170,12 @@ def _values(results):
     return [result.value for result in results]
 
 
-def _check_layout(world_size, tp, cp, device):
-    for name, value in (("world_size", world_size), ("tp", tp), ("cp", cp)):
+def _check_layout(world_size, tp, cp, pp, device):
+    for name, value in (("world_size", world_size), ("tp", tp), ("cp", cp), ("pp", pp)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
-    if world_size % (tp * cp):
-        raise ValueError(f"world_size ({world_size}) must be a multiple of tp * cp ({tp} * {cp})")
+    if world_size % (tp * cp * pp):
+        raise ValueError(f"world_size ({world_size}) must be a multiple of tp * cp * pp ({tp} * {cp} * {pp})")
     if device not in DEVICES:
         raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
     if device == "cuda":
@@ -300,7 +301,7 @@ class _RankContext:
         )
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=setup["tp"],
-            pipeline_model_parallel_size=1,
+            pipeline_model_parallel_size=setup["pp"],
             context_parallel_size=setup["cp"],
         )
 
@@ -312,13 +313,20 @@ class _RankContext:
 
         import mtp_overlay
 
-        layout = (self.setup["tp"], self.setup["cp"])
+        # every run starts from the pool's environment: upstream records state in os.environ (megatron-core
+        # its attention backend in NVTE_*, language_module.py:124), which must not leak into the next case
+        os.environ.clear()
+        os.environ.update(self.setup["environ"])
+        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(self.setup["port"])
+        layout = (self.setup["tp"], self.setup["cp"], self.setup["pp"])
         if not parallel_state.model_parallel_is_initialized() or layout != (
-            parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_context_parallel_world_size()
+            parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_context_parallel_world_size(),
+            parallel_state.get_pipeline_model_parallel_world_size(),
         ):  # an earlier run changed the layout: back to the pool's
             parallel_state.destroy_model_parallel()
             parallel_state.initialize_model_parallel(
-                tensor_model_parallel_size=layout[0], pipeline_model_parallel_size=1, context_parallel_size=layout[1]
+                tensor_model_parallel_size=layout[0], pipeline_model_parallel_size=layout[2],
+                context_parallel_size=layout[1],
             )
 
         mtp_overlay.uninstall()

@@ -34,6 +34,19 @@ rows with their image placeholders and the images, builds the combined (text + i
 slices it for CP/SP itself and returns ``(output, combined loss mask)``
 (``models/multimodal/llava_model.py:1278``): the loss function gets that mask.
 
+Under pipeline parallelism (the model is this rank's stage, `pipeline`) the schedule is
+``forward_backward_pipelining_without_interleaving``: activations travel between the stages over
+point-to-point exchanges of [seq / CP (/ TP under SP), mbs, hidden] tensors in ``config.pipeline_dtype``
+(shapes exchanged per microbatch with ``config.variable_seq_lengths``: packed rows of different
+lengths). Every stage reads each microbatch from the data iterator, and its forward gets what it uses
+(`pipeline.stage_keys`): token and position ids on the first stage and the MTP stage, labels and
+masks on the last, ``packed_seq_params`` everywhere; the loss function and the RL LM loss run on the
+last stage, the others hand their hidden states on. ``finalize_model_grads`` all-reduces the word
+embedding copies' gradients between the first and the last stage. The result's losses come from the
+last stage, its gradients from every stage (`pipeline.gather_stages`), under the PP1 model's names. A
+forward that raises on one stage raises on every stage once the schedule is through
+(`pipeline.ForwardFailures`).
+
 Call inside ``run_ranks`` workers (model parallelism initialised; on CPU the shims installed). The
 model is any built megatron-core language model with MTP (GPTModel, HybridModel, or a wrapper around
 one in ``.language_model``): the step only calls its forward and ``compute_language_model_loss``.
@@ -63,11 +76,12 @@ class MegatronStepResult:
       over MTPLossLoggingHelper's tracker): ``mtp/mtp_{i}_loss`` and the acceptance rate in percent.
     mtp_tokens: per depth, the tracker's valid MTP positions summed over DP x CP.
     grads: ``{"mtp": ..., "lm": ...}``: the finalized gradients (DDP's ``main_grad``, TP shards
-      gathered to full tensors) of the MTP block and of the rest of the language model, flattened
-      in parameter order into float32 numpy arrays (numpy, not torch: torch tensors cross process
-      boundaries through shared memory that dies with the rank): comparable across TP/CP layouts.
-      A model with parameters outside its language model (LLaVAModel's vision tower and
-      projector) also has ``"encoder"``: those.
+      gathered to full tensors, every pipeline stage's under the PP1 model's names) of the MTP block
+      and of the rest of the language model, flattened in parameter order into float32 numpy arrays
+      (numpy, not torch: torch tensors cross process boundaries through shared memory that dies with
+      the rank): comparable across TP/CP/PP layouts. A model with parameters outside its language
+      model (LLaVAModel's vision tower and projector) also has ``"encoder"``: those.
+    grad_names: the parameter names behind ``grads``, per part, in order.
     grad_norm, group_grad_norms: L2 norms of those gradients, whole model and per top-level module.
     zero_grad_params: parameters whose gradient is all zero.
     update_norm: L2 norm of the optimizer's weight update (None without an optimizer step).
@@ -78,6 +92,7 @@ class MegatronStepResult:
     mtp_tokens: tuple
     mtp_acceptance: tuple
     grads: dict
+    grad_names: dict
     grad_norm: float
     group_grad_norms: dict
     zero_grad_params: tuple
@@ -146,8 +161,9 @@ class MegatronStep:
           ``labels=False`` only, an optional ``mtp_loss_mask`` (input_ids-aligned, passed to the
           model as ``loss_mask``: the RL convention). A packed (THD) microbatch also holds
           ``packed_seq_params`` (megatron's PackedSeqParams, qkv_format "thd", full-row boundaries)
-          and its tensors are one [1, T] row laid out on the padded boundaries. A multimodal
-          microbatch also holds ``images`` (module docstring; labels=True, 2- or 3-output loss).
+          and its tensors are one [1, T] row laid out on the padded boundaries. Microbatches may
+          differ in shape without pipeline stages, or with ``config.variable_seq_lengths``. A
+          multimodal microbatch also holds ``images`` (module docstring; labels=True, 2- or 3-output loss).
         loss: one of LOSS_SHAPES (module docstring).
         labels: True: the model computes the LM loss from ``labels`` (SFT / pretraining). False: the
           RL forward: the model gets no labels, returns logits, and the LM loss is computed here
@@ -164,9 +180,12 @@ class MegatronStep:
         from megatron.core import parallel_state
 
         from .. import mtp
+        from . import pipeline
 
         per_token = bool(self.config.calculate_per_token_loss)
-        check_step_arguments(microbatches, loss, labels, mtp_grad_scale, per_token, update, self.optimizer, mtp_mask)
+        staged = pipeline.size() > 1
+        check_step_arguments(microbatches, loss, labels, mtp_grad_scale, per_token, update, self.optimizer, mtp_mask,
+                             variable_shapes=not staged or bool(self.config.variable_seq_lengths))
         cp_group = parallel_state.get_context_parallel_group()
         dp_group = parallel_state.get_data_parallel_group()
         device = next(self.model.parameters()).device
@@ -184,9 +203,13 @@ class MegatronStep:
             ),
         }[loss]
         language_model = self.language_model
+        last_stage = pipeline.stage()["post_process"]
+        uses = pipeline.stage_keys(language_model) | {PACKED, IMAGES}  # a multimodal model is never staged
+        failures = pipeline.ForwardFailures(language_model)
 
         def forward_step(data_iterator, model):
-            inputs, local = next(data_iterator)
+            inputs, local, full_shape = next(data_iterator)
+            inputs = {key: value if key in uses else None for key, value in inputs.items()}
             call = dict(input_ids=inputs["input_ids"], position_ids=inputs["position_ids"], attention_mask=None)
             for key in (PACKED, IMAGES):
                 if inputs.get(key) is not None:
@@ -201,54 +224,73 @@ class MegatronStep:
                         call.update(loss_mask=inputs["mtp_loss_mask"])
                     else:
                         scope = mtp.loss_mask_scope(inputs["mtp_loss_mask"])
-            with scope:
-                output, returned_mask = mtp.split_output(model(**call))  # a CP-slicing model also hands back its mask
-            if not labels:  # logits [b, s, v/tp]: the trainer's own LM loss
-                output = language_model.compute_language_model_loss(local["labels"], output.transpose(0, 1).contiguous())
+
+            returned = []  # what the model hands back beside its output (a CP-slicing or multimodal model's mask)
+
+            def forward():
+                with scope:
+                    output, mask = mtp.split_output(model(**call))
+                returned.append(mask)
+                if not labels and last_stage:  # logits [b, s, v/tp]: the trainer's own LM loss
+                    output = language_model.compute_language_model_loss(
+                        local["labels"], output.transpose(0, 1).contiguous()
+                    )
+                return output
+
+            output = failures.run(forward, local["loss_mask"], full_shape) if staged else forward()
             mask = local["loss_mask"]
-            if IMAGES in inputs:  # the combined (text + image) sequence's mask, as the model sliced it
-                if returned_mask is None or returned_mask.shape != output.shape:
-                    shape = None if returned_mask is None else tuple(returned_mask.shape)
+            if inputs.get(IMAGES) is not None:  # the combined (text + image) sequence's mask, as the model sliced it
+                mask = returned[0]
+                if mask is None or mask.shape != output.shape:
+                    shape = None if mask is None else tuple(mask.shape)
                     raise ValueError(
                         "a multimodal model must return (output, combined loss mask of the output's shape), as "
                         f"LLaVAModel.forward does; got mask {shape} for output {tuple(output.shape)}"
                     )
-                mask = returned_mask
             return output, functools.partial(loss_function, mask)
 
         slices_cp = mtp.model_slices_context_parallel(self.model)
-        prepared = [_prepare(batch, device, slices_cp) for batch in microbatches]
+        prepared = [(*_prepare(batch, device, slices_cp), tuple(batch["input_ids"].shape)) for batch in microbatches]
         previous_scale = self.config.mtp_grad_scale_func
         if mtp_grad_scale is not None:
             scale = 1.0 / valid_tokens if mtp_grad_scale == GLOBAL_VALID_TOKENS else float(mtp_grad_scale)
             self.config.mtp_grad_scale_func = lambda: scale
         try:
             return self.run(forward_step, iter(prepared), num_microbatches=len(prepared),
-                            seq_length=prepared[0][1]["input_ids"].shape[1],
-                            micro_batch_size=prepared[0][1]["input_ids"].shape[0], update=update)
+                            seq_length=microbatches[0]["input_ids"].shape[1],
+                            micro_batch_size=microbatches[0]["input_ids"].shape[0], update=update,
+                            failures=failures if staged else None)
         finally:
             self.config.mtp_grad_scale_func = previous_scale
+        if staged:
+            failures.raise_first()
 
-    def run(self, forward_step_func, data_iterator, *, num_microbatches, seq_length, micro_batch_size, update=True):
+    def run(self, forward_step_func, data_iterator, *, num_microbatches, seq_length, micro_batch_size, update=True,
+            failures=None):
         """One training step of Megatron's schedule with any forward step; returns a MegatronStepResult.
 
         ``forward_step_func(data_iterator, model)`` is what the schedule calls per microbatch (`step`'s
         own, or a trainer's: Megatron-Bridge's ``gpt_step.forward_step`` with its state bound); it
         must return (output, loss function) with the loss function reporting ``{"lm loss": [sum,
         count]}`` as pretrain_gpt's does. ``data_iterator`` yields its ``num_microbatches``
-        microbatches; ``seq_length`` / ``micro_batch_size`` are this rank's (CP-local) tensor shape.
+        microbatches; ``seq_length`` is the full (not CP-local) sequence length, ``micro_batch_size``
+        the rows per microbatch (the pipeline schedule sizes its exchanges from them).
         update: run the optimizer step (the gradient buffers are zeroed first in every case).
+        failures: a `pipeline.ForwardFailures` whose first stage failure is raised on every stage
+        once the schedule is through.
         """
         import torch
         from megatron.core import parallel_state
         from megatron.core.pipeline_parallel import get_forward_backward_func
         from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
+        from . import pipeline
         from .tiny_gpt import logged_mtp_metrics
 
         if update and self.optimizer is None:
             raise ValueError("update=True needs an optimizer: build MegatronStep(model, optimizer='megatron')")
         dp_cp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+        device = next(self.model.parameters()).device
         self.model.zero_grad_buffer()
         if self.optimizer is not None:
             self.optimizer.zero_grad()
@@ -262,16 +304,21 @@ class MegatronStep:
             micro_batch_size=micro_batch_size,
             forward_only=False,
         )
-        lm_totals = torch.stack([report["lm loss"].double() for report in reports]).sum(0)
+        if failures is not None:
+            failures.raise_first()
+        lm_totals = torch.zeros(2, dtype=torch.float64, device=device)  # the last stage's reports
+        if reports:
+            lm_totals = torch.stack([report["lm loss"].double() for report in reports]).sum(0)
         torch.distributed.all_reduce(lm_totals, group=dp_cp_group)
-        metrics = logged_mtp_metrics(num_microbatches, dp_cp_group)
+        losses = (lm_totals[0] / lm_totals[1].clamp(min=1)).item(), logged_mtp_metrics(num_microbatches, dp_cp_group)
+        if pipeline.size() > 1:
+            losses = pipeline.broadcast_from_last_stage(losses if pipeline.stage()["post_process"] else None)
+        lm_loss, metrics = losses
         grads = _finalized_grads(self.language_model, _encoder_parameters(self.model.module, self.language_model))
         update_norm = None
         if update:
             update_norm = self._optimizer_step()
-        return MegatronStepResult(
-            lm_loss=(lm_totals[0] / lm_totals[1].clamp(min=1)).item(), update_norm=update_norm, **metrics, **grads
-        )
+        return MegatronStepResult(lm_loss=lm_loss, update_norm=update_norm, **metrics, **grads)
 
     def _optimizer_step(self):
         """megatron-core's optimizer step; the L2 norm of the full (TP-gathered) weight update."""
@@ -321,7 +368,10 @@ def nemo_rl_loss(global_valid_tokens, num_microbatches, cp_size, loss_mask, outp
     return loss, {"lm loss": torch.stack([local.detach(), mask.sum()])}
 
 
-def check_step_arguments(microbatches, loss, labels, mtp_grad_scale, per_token, update, optimizer, mtp_mask="explicit"):
+def check_step_arguments(microbatches, loss, labels, mtp_grad_scale, per_token, update, optimizer, mtp_mask="explicit",
+                         variable_shapes=False):
+    """ValueError naming the argument for what `MegatronStep.step` cannot run. ``variable_shapes``:
+    microbatches may differ in shape (the tensors of one microbatch never)."""
     import torch
 
     if loss not in LOSS_SHAPES:
@@ -345,10 +395,11 @@ def check_step_arguments(microbatches, loss, labels, mtp_grad_scale, per_token, 
     if not isinstance(microbatches, (list, tuple)) or not microbatches:
         raise ValueError(f"microbatches must be a non-empty list of dicts, got {type(microbatches).__name__}")
     check_multimodal_microbatches(microbatches, loss, labels, mtp_grad_scale)
-    shape = None
+    first = None
     for index, batch in enumerate(microbatches):
         if not isinstance(batch, dict) or any(key not in batch for key in MICROBATCH_KEYS):
             raise ValueError(f"microbatches[{index}] must be a dict with keys {MICROBATCH_KEYS}")
+        shape = None
         if labels and batch.get("mtp_loss_mask") is not None:
             raise ValueError(
                 f"microbatches[{index}] has an mtp_loss_mask (input_ids-aligned, the RL convention) but "
@@ -369,8 +420,15 @@ def check_step_arguments(microbatches, loss, labels, mtp_grad_scale, per_token, 
             if tuple(value.shape) != shape:
                 raise ValueError(
                     f"microbatches[{index}][{key!r}] has shape {tuple(value.shape)}, expected {shape} "
-                    "(every tensor of every microbatch has the same shape)"
+                    "(every tensor of a microbatch has the same shape)"
                 )
+        first = first or shape
+        if not variable_shapes and shape != first:
+            raise ValueError(
+                f"microbatches[{index}] has shape {shape}, microbatches[0] {first}: under pipeline parallelism "
+                "microbatches of different shapes need config.variable_seq_lengths=True (the schedule's "
+                "point-to-point exchanges otherwise receive the first microbatch's shape)"
+            )
 
 
 def check_multimodal_microbatches(microbatches, loss, labels, mtp_grad_scale):
@@ -458,32 +516,39 @@ def _encoder_parameters(root, language_model):
 
 
 def _full_flat(model, tensor_of, named=None):
-    """(name, flat float32 CPU tensor) per parameter of ``model`` (or of the ``named`` (name,
+    """[(name, flat float32 CPU tensor)] per parameter of ``model`` (or of the ``named`` (name,
     parameter) pairs): ``tensor_of(param)`` (None: zeros) with TP shards gathered to the full tensor,
-    identical on every TP rank."""
+    identical on every TP rank; under pipeline parallelism every stage's parameters of ``model``,
+    under the PP1 model's names and in its order, on every rank."""
     import torch
     from megatron.core import parallel_state
 
+    from . import pipeline
     from .tp_layout import tp_unshard
 
     tp_group = parallel_state.get_tensor_model_parallel_group()
     tp_size = torch.distributed.get_world_size(tp_group)
-    for name, param in model.named_parameters() if named is None else named:
+    staged = pipeline.size() > 1 and named is None
+    flats = []
+    pairs = named if named is not None else pipeline.global_names(model) if staged else model.named_parameters()
+    for name, param in pairs:
         tensor = tensor_of(param)
         tensor = torch.zeros_like(param, dtype=torch.float32) if tensor is None else tensor.detach().float()
         if tp_size > 1 and getattr(param, "tensor_model_parallel", False):
             shards = [torch.empty_like(tensor) for _ in range(tp_size)]
             torch.distributed.all_gather(shards, tensor.contiguous(), group=tp_group)
             tensor = tp_unshard(shards, param)
-        yield name, tensor.reshape(-1).cpu()
+        flats.append((name, tensor.reshape(-1).cpu()))
+    return pipeline.gather_stages(flats) if staged else flats
 
 
 def _finalized_grads(model, encoder=()):
-    """The finalized main_grads, TP shards gathered, as flat "mtp" / "lm" vectors of ``model`` (and an
-    "encoder" vector of the ``encoder`` (name, parameter) pairs, if any), with norms."""
+    """The finalized main_grads, TP shards (and pipeline stages) gathered, as flat "mtp" / "lm" vectors
+    of ``model`` (and an "encoder" vector of the ``encoder`` (name, parameter) pairs, if any) and their
+    names, with norms."""
     import torch
 
-    parts = {"mtp": [], "lm": []}
+    parts, names = {"mtp": [], "lm": []}, {"mtp": [], "lm": []}
     group_squares, zero = {}, []
     def main_grad(param):
         return getattr(param, "main_grad", None)
@@ -494,12 +559,14 @@ def _finalized_grads(model, encoder=()):
     for name, part, flat in entries:
         top = name.split(".")[0]
         parts.setdefault(part, []).append(flat)
+        names.setdefault(part, []).append(name)
         group_squares[top] = group_squares.get(top, 0.0) + flat.double().pow(2).sum().item()
         if not flat.any():
             zero.append(name)
     grads = {part: (torch.cat(flats) if flats else torch.zeros(0)).numpy() for part, flats in parts.items()}
     return dict(
         grads=grads,
+        grad_names={part: tuple(found) for part, found in names.items()},
         grad_norm=math.sqrt(sum(group_squares.values())),
         group_grad_norms={group: math.sqrt(square) for group, square in group_squares.items()},
         zero_grad_params=tuple(zero),

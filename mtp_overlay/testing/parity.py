@@ -16,7 +16,9 @@ sequences in NeMo-RL's two ``PackedSeqParams`` flavours, "padded" (``cu_seqlens_
 response-only loss mask, the per-token 3-output loss (``calculate_per_token_loss=True``, where
 upstream's own LM normalisation is exact under CP). References: BSHD at TP1 for BSHD; for packed
 rows each sequence alone, unpacked, at TP1 (``PackedRow.reference_microbatch``), through the same
-step.
+step. Pipeline-parallel rows (``PIPELINED``: the tiny models only) run Megatron's pipelined schedule
+on stage models that hold the TP1 weights (`pipeline.build_stage`; HybridModel's pattern split by
+``|``, MTP on the last stage).
 """
 
 import contextlib
@@ -40,6 +42,13 @@ PARALLELISMS = {
     "TP2+SP": dict(world_size=2, tp=2, cp=1, sp=True, pad_multiple=2),
     "TP2xCP2+SP": dict(world_size=4, tp=2, cp=2, sp=True, pad_multiple=8),
 }
+# pipeline stages: two, through forward_backward_pipelining_without_interleaving
+PARALLELISMS.update({
+    "PP2": dict(world_size=2, tp=1, cp=1, pp=2, sp=False, pad_multiple=4),
+    "TP2xPP2+SP": dict(world_size=4, tp=2, cp=1, pp=2, sp=True, pad_multiple=2),
+})
+PIPELINED = ("gpt", "hybrid", "hybrid, scatter=False")  # the models the test bed builds in stages
+PIPELINED_PATTERN = "*-|*-/*-"  # the tiny HybridModel's "*-*-/*-", one stage per '|' segment
 NVTE_BACKEND_VARIABLES = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")
 LOSSES = {  # MegatronStep.step arguments of the per-token loss modes
     "3-output": dict(loss="3-output"),
@@ -121,7 +130,8 @@ def microbatch(case):
 
 
 def build(model, *, sequence_parallel=False, seed=1234):
-    """A per-token-loss model of MODELS for this rank (TP/CP from parallel_state)."""
+    """A per-token-loss model of MODELS for this rank (TP/CP/PP from parallel_state; under PP its stage)."""
+    from . import pipeline
     from .tiny_gpt import build_tiny_gpt
     from .tiny_hybrid import build_tiny_hybrid
 
@@ -134,8 +144,11 @@ def build(model, *, sequence_parallel=False, seed=1234):
                                        **scatter)
         built.config.calculate_per_token_loss = True  # read at DDP's construction and in every step
         return built
-    builder = build_tiny_gpt if model == "gpt" else build_tiny_hybrid
-    return builder(seed=seed, sequence_parallel=sequence_parallel, calculate_per_token_loss=True, **scatter)
+    if model == "gpt":
+        return build_tiny_gpt(seed=seed, sequence_parallel=sequence_parallel, calculate_per_token_loss=True, **scatter)
+    stages = dict(hybrid_layer_pattern=PIPELINED_PATTERN) if pipeline.size() > 1 else {}
+    return build_tiny_hybrid(seed=seed, sequence_parallel=sequence_parallel, calculate_per_token_loss=True, **scatter,
+                             **stages)
 
 
 @contextlib.contextmanager
@@ -197,17 +210,20 @@ def run_layout(parallelism, cases, *, timeout=900, log=None):
     from .launcher import RankPool
 
     spec = PARALLELISMS[parallelism]
-    with RankPool(spec["world_size"], tp=spec["tp"], cp=spec["cp"], log=log) as pool:
+    with RankPool(spec["world_size"], tp=spec["tp"], cp=spec["cp"], pp=spec.get("pp", 1), log=log) as pool:
         return pool.run_checked(run_cases, args=(cases,), fixes=[], timeout=timeout)[0]
 
 
 def table_cases(parallelism, models):
     """The parity table's cases for one parallelism: every model and layout, stock and overlay (the
-    scatter=False tiny HybridModel only under sequence parallelism: elsewhere it is its twin)."""
+    scatter=False tiny HybridModel only under sequence parallelism: elsewhere it is its twin; under
+    pipeline parallelism the PIPELINED models only)."""
     spec, fixes = PARALLELISMS[parallelism], megatron_core_fixes()
     cases = []
     for model in models:
         if model in NOT_SCATTERING and model not in BRIDGE_MODELS and not spec["sp"]:
+            continue
+        if spec.get("pp", 1) > 1 and model not in PIPELINED:
             continue
         for layout in LAYOUTS:
             for variant in ((), fixes):

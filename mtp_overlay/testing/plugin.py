@@ -39,15 +39,15 @@ def mtp_run_ranks():
 
 @pytest.fixture(scope="session")
 def mtp_rank_pools():
-    """``pools(world_size, tp=1, cp=1)``: the session's `RankPool` for that layout (started once)."""
+    """``pools(world_size, tp=1, cp=1, pp=1)``: the session's `RankPool` for that layout (started once)."""
     from .launcher import RankPool
 
     pools = {}
 
-    def pool(world_size, tp=1, cp=1):
-        key = (world_size, tp, cp)
+    def pool(world_size, tp=1, cp=1, pp=1):
+        key = (world_size, tp, cp, pp)
         if key not in pools:
-            pools[key] = RankPool(world_size, tp=tp, cp=cp)
+            pools[key] = RankPool(world_size, tp=tp, cp=cp, pp=pp)
         return pools[key]
 
     yield pool

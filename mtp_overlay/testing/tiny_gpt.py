@@ -2,11 +2,14 @@
 
 Call these inside ``run_ranks`` workers (model parallelism initialised; on CPU the shims installed).
 Weights are built on the CPU from one seed (``use_cpu_initialization``), so TP1, TP2 and CP2 runs
-hold identical full weights and their losses can be compared.
+hold identical full weights and their losses can be compared; under pipeline parallelism each rank
+builds its stage holding the PP1 model's weights (`pipeline.build_stage`).
 """
 
 import dataclasses
 import math
+
+from . import pipeline
 
 GROUPS = ("embedding", "decoder", "mtp", "output_layer")
 
@@ -26,11 +29,26 @@ def build_tiny_gpt(
 ):
     """A GPTModel (local spec, RoPE, no dropout) with ``mtp_num_layers`` MTP layers.
 
-    TP and CP sizes come from ``parallel_state``. ``config_overrides`` go to TransformerConfig
+    TP, CP and PP sizes come from ``parallel_state`` (under PP: this rank's stage, ``num_layers``
+    split evenly, MTP on the last stage). ``config_overrides`` go to TransformerConfig
     (e.g. ``mtp_detach_heads=True``, ``calculate_per_token_loss=True``; ``num_moe_experts`` also
     makes every MLP, the MTP layer's included, a local-spec MoE); ``scatter_embedding_sequence_parallel``
     goes to GPTModel.
     """
+    arguments = dict(
+        seed=seed, num_layers=num_layers, hidden_size=hidden_size, num_attention_heads=num_attention_heads,
+        vocab_size=vocab_size, max_sequence_length=max_sequence_length, mtp_num_layers=mtp_num_layers,
+        sequence_parallel=sequence_parallel, scatter_embedding_sequence_parallel=scatter_embedding_sequence_parallel,
+        **config_overrides,
+    )
+    if pipeline.size() == 1:
+        return _gpt(**arguments)
+    return pipeline.build_stage(_gpt, arguments, arguments)
+
+
+def _gpt(*, seed, num_layers, hidden_size, num_attention_heads, vocab_size, max_sequence_length, mtp_num_layers,
+         sequence_parallel, scatter_embedding_sequence_parallel, **config_overrides):
+    """The GPTModel of this rank's pipeline stage (all of it without PP), built from ``seed``."""
     import torch
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
@@ -49,6 +67,8 @@ def build_tiny_gpt(
         hidden_dropout=0.0,
         attention_dropout=0.0,
     )
+    if pipeline.size() > 1:
+        settings.update(pipeline_model_parallel_size=pipeline.size(), pipeline_dtype=torch.float32)
     config = TransformerConfig(**{**settings, **config_overrides})
     layer_spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False)
     mtp_spec = None
@@ -63,6 +83,7 @@ def build_tiny_gpt(
         position_embedding_type="rope",
         scatter_embedding_sequence_parallel=scatter_embedding_sequence_parallel,
         mtp_block_spec=mtp_spec,
+        **pipeline.stage(),
     )
     return model.to(_device())
 

@@ -21,10 +21,15 @@ conv + SSD scan, gated RMSNorm) do not exist on a CPU machine: the test bed's sh
 chunks of 8 (``MAMBA_CHUNK_SIZE``, through the mixer spec's ``chunk_size`` as Megatron-Bridge sets
 it), so a packed row's sequences start inside chunks; its weights do not depend on the TP size
 (`tp_independent_mamba_weights`).
+
+Under pipeline parallelism the pattern's ``|`` marks the stages (``"*-|*-/*-"``: one attention and
+one MLP layer per stage, MTP on the last); each rank builds its stage holding the weights of the
+model without ``|`` at PP1 (`pipeline.build_stage`).
 """
 
 import zlib
 
+from . import pipeline
 from .tiny_gpt import _device
 from .tp_layout import tp_shard
 
@@ -92,15 +97,13 @@ def build_tiny_hybrid(
 ):
     """A HybridModel (local spec, RoPE, no dropout); MTP depths from the pattern's ``/`` parts.
 
-    TP and CP sizes come from ``parallel_state``; ``num_layers`` and ``mtp_num_layers`` from
-    ``hybrid_layer_pattern`` (symbols '*' attention, '-' MLP, 'M' Mamba; with 'M', ``MAMBA_SETTINGS``).
-    ``config_overrides`` go to TransformerConfig; ``scatter_embedding_sequence_parallel`` goes to HybridModel.
+    TP, CP and PP sizes come from ``parallel_state``; ``num_layers`` and ``mtp_num_layers`` from
+    ``hybrid_layer_pattern`` (symbols '*' attention, '-' MLP, 'M' Mamba, with ``MAMBA_SETTINGS``; under
+    PP, ``|`` between the stages, or none: megatron-core then splits the layers evenly).
+    ``config_overrides`` go to TransformerConfig; ``scatter_embedding_sequence_parallel`` goes to
+    HybridModel. Under PP this rank's stage, holding the weights the pattern without ``|`` builds at PP1.
     """
-    import torch
-    from megatron.core import parallel_state
     from megatron.core.models.hybrid.hybrid_layer_allocation import parse_hybrid_pattern
-    from megatron.core.models.hybrid.hybrid_model import HybridModel
-    from megatron.core.transformer.transformer_config import TransformerConfig
 
     parsed = parse_hybrid_pattern(hybrid_layer_pattern)
     symbols = set((parsed.main_pattern or "") + (parsed.mtp_pattern or "")) - {"|"}
@@ -109,6 +112,34 @@ def build_tiny_hybrid(
             f"hybrid_layer_pattern must be attention '*', MLP '-' and Mamba 'M' layers, with '/'-separated MTP "
             f"depths (e.g. '*-*-/*-'), got {hybrid_layer_pattern!r}"
         )
+    stages, pp = parsed.main_pattern.count("|") + 1, pipeline.size()
+    if stages not in (1, pp):
+        raise ValueError(
+            f"hybrid_layer_pattern {hybrid_layer_pattern!r} has {stages} '|'-separated stages, but the pipeline "
+            f"has {pp} (give one segment per stage, or none)"
+        )
+    arguments = dict(
+        seed=seed, hidden_size=hidden_size, num_attention_heads=num_attention_heads, vocab_size=vocab_size,
+        max_sequence_length=max_sequence_length, sequence_parallel=sequence_parallel,
+        scatter_embedding_sequence_parallel=scatter_embedding_sequence_parallel, **config_overrides,
+    )
+    if pp == 1:
+        return _hybrid(hybrid_layer_pattern, parsed, **arguments)
+    whole = hybrid_layer_pattern.replace("|", "")
+    return pipeline.build_stage(
+        _hybrid, dict(arguments, pattern=whole, parsed=parse_hybrid_pattern(whole)),
+        dict(arguments, pattern=hybrid_layer_pattern, parsed=parsed),
+    )
+
+
+def _hybrid(pattern, parsed, *, seed, hidden_size, num_attention_heads, vocab_size, max_sequence_length,
+            sequence_parallel, scatter_embedding_sequence_parallel, **config_overrides):
+    """The HybridModel of this rank's pipeline stage (all of it without PP), built from ``seed``."""
+    import torch
+    from megatron.core import parallel_state
+    from megatron.core.models.hybrid.hybrid_model import HybridModel
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
     settings = dict(
         num_layers=len(parsed.main_pattern.replace("|", "")),
         hidden_size=hidden_size,
@@ -122,8 +153,10 @@ def build_tiny_hybrid(
         hidden_dropout=0.0,
         attention_dropout=0.0,
     )
-    if "M" in symbols:
+    if "M" in (parsed.main_pattern or "") + (parsed.mtp_pattern or ""):
         settings.update(MAMBA_SETTINGS)
+    if pipeline.size() > 1:
+        settings.update(pipeline_model_parallel_size=pipeline.size(), pipeline_dtype=torch.float32)
     config = TransformerConfig(**{**settings, **config_overrides})
     spec = local_hybrid_stack_spec()
     spec.submodules.mamba_layer.submodules.mixer.params["chunk_size"] = MAMBA_CHUNK_SIZE
@@ -133,9 +166,10 @@ def build_tiny_hybrid(
         hybrid_stack_spec=spec,
         vocab_size=vocab_size,
         max_sequence_length=max_sequence_length,
-        hybrid_layer_pattern=hybrid_layer_pattern,
+        hybrid_layer_pattern=pattern,
         position_embedding_type="rope",
         scatter_embedding_sequence_parallel=scatter_embedding_sequence_parallel,
+        **pipeline.stage(),
     )
     tp_independent_mamba_weights(model, seed)
     return model.to(_device())

@@ -180,7 +180,9 @@ def test_fixes_selects_what_the_workers_install():
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        (dict(world_size=3, tp=2), "world_size (3) must be a multiple of tp * cp (2 * 1)"),
+        (dict(world_size=3, tp=2), "world_size (3) must be a multiple of tp * cp * pp (2 * 1 * 1)"),
+        (dict(world_size=2, pp=4), "world_size (2) must be a multiple of tp * cp * pp (1 * 1 * 4)"),
+        (dict(world_size=2, pp=0), "pp must be a positive int, got 0"),
         (dict(world_size=0), "world_size must be a positive int"),
         (dict(world_size=1, fixes=["no-such-fix"]), "unknown fix 'no-such-fix'"),
         (dict(world_size=1, device="tpu"), "device must be one of"),
