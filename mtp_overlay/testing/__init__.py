@@ -22,7 +22,8 @@ Usage (``fn`` must be a module-level function, its arguments and return value pi
         sequence_parallel=True, scatter_embedding_sequence_parallel=False))
     assert "Sizes of tensors must match" in results[0].error
 
-* ``RankPool(world_size, *, tp=1, cp=1, seed=1234, device="cpu", log=None)``: ranks started once,
+* ``RankPool(world_size, *, tp=1, cp=1, ep=1, etp=None, seed=1234, device="cpu", log=None)``: ranks
+  started once (``ep``, ``etp``: expert model / expert tensor parallel sizes; ``etp=None`` is ``tp``),
   ``.run(fn, *, args=(), kwargs=None, fixes=None, timeout=300) -> list[RankResult]`` (rank, value,
   error) as many times as wanted (a failed run restarts the ranks); ``fixes``: None installs what
   ``import mtp_overlay`` installs, a list exactly those fixes, ``[]`` none; ``log``: a file for the
@@ -33,7 +34,14 @@ Usage (``fn`` must be a module-level function, its arguments and return value pi
   **config_overrides)``: GPTModel, local spec, RoPE, identical full weights at any TP/CP.
 * ``tiny_hybrid.build_tiny_hybrid(*, seed, hybrid_layer_pattern="*-*-/*-", sequence_parallel,
   scatter_embedding_sequence_parallel, ...)``: HybridModel from local modules (attention '*', MLP
-  '-', MTP depths after '/'); the default pattern holds build_tiny_gpt()'s parameters in order.
+  '-', MoE 'E' with megatron-core's MoELayer and SequentialMLP experts, MTP depths after '/'); the
+  default pattern holds build_tiny_gpt()'s parameters in order. ``build_zoo(**overrides)``: pattern
+  ``ZOO_PATTERN`` ("*E*-/*E/*E") with the Super recipe's repeated MTP layer; 4 experts, top-2, aux
+  loss, alltoall (or allgather) dispatcher; the same weights at every TP / EP size.
+* ``moe``: the MTP block's MoE layers (``mtp_moe_layers``), ``is_mtp_layer`` set by hand on them
+  (``flag_mtp_moe_layers``, the reference semantics), the aux loss's gradient alone and the logged
+  per-layer aux losses through Megatron's step (``aux_loss_gradients``: ``MegatronStep.step(...,
+  aux_loss_only=True)``).
 * ``packed``: ``make_packed_row(lengths, *, pad_multiple, flavour="padded"|"unpadded", prompts)``
   (NeMo-RL packing; ``PackedSeqParams`` with cu_seqlens_q padded, or real + cu_seqlens_q_padded),
   ``cp_local`` (per-sequence 2*CP chunks), ``SelfSlicingCP`` (takes full rows, slices CP itself,
@@ -56,12 +64,14 @@ Usage (``fn`` must be a module-level function, its arguments and return value pi
   "nemo-rl", labels=True|False, mtp_grad_scale=None|x|"global-valid-tokens", update=True)`` ->
   ``MegatronStepResult``: lm_loss, logged mtp_losses / mtp_acceptance, mtp_tokens, ``grads``
   ({"mtp", "lm"}: flat TP-gathered numpy arrays, ``relative_error(reference, part)``), grad norms,
-  update_norm. ``tiny_gpt.train_step`` is its hand-written imitation; both agree at TP1. A microbatch
+  update_norm, MoE ``moe_metrics`` / ``router_grads``; expert-parallel gradients gathered into the
+  EP1 order. ``tiny_gpt.train_step`` is its hand-written imitation; both agree at TP1. A microbatch
   may be a packed THD row (``PackedRow.microbatch``: [1, T] tensors plus ``packed_seq_params``, CP-sharded
   per sequence); ``PackedRow.reference_microbatch`` holds each sequence alone (BSHD) for the reference;
   ``mtp_mask="scoped"`` routes the RL MTP mask through ``mtp_overlay.mtp.loss_mask_scope``.
-* ``parity``: Megatron's step on model x layout (BSHD, THD padded / unpadded) x parallelism, stock and
-  with every megatron-core fix (``parity_table`` / ``markdown``: ``scripts/parity.py``), and the
+* ``parity``: Megatron's step on model x layout (BSHD, THD padded / unpadded) x parallelism (TP1, CP2,
+  TP2+SP, TP2xCP2+SP, EP2, TP2xEP2+SP), stock and with every megatron-core fix, the zoo models included
+  (``parity_table`` / ``markdown``: ``scripts/parity.py``), and the
   composition cases of the real path (``composition_cases``, ``expected_outcome``: which fixes a path
   needs; ``scripts/parity.py --compose``).
 * ``reproducers.reproduce(fix_id) -> (bug_shows, evidence)``: a fix's stock path with the fix off
@@ -69,12 +79,14 @@ Usage (``fn`` must be a module-level function, its arguments and return value pi
 * ``demo``: the main job (``mtp-overlay demo``); ``patch_images``: what ``scripts/measure_patches.py``
   and the tests measure for the patch manifest.
 * ``bridge``: models built through Megatron-Bridge 0.6 providers (``AutoBridge.from_hf_config`` of
-  tiny local Qwen3 / NemotronH configs); importable without Bridge (``bridge_installed()``).
+  tiny local Qwen3 / NemotronH configs, and a NemotronH config with the zoo's MoE layers and MTP);
+  importable without Bridge (``bridge_installed()``).
 * vLLM on CPU: ``vllm_serving`` / ``vllm_chat_template`` (an in-process OpenAI server's consumers,
   and the CLI path's), ``vllm_drafter`` (real MTP drafter modules), ``streams`` (CUDA-stream and
   communicator stand-ins for the weight-transfer producer).
 * ``cpu_shims``: the CPU stand-ins (HybridStack's TE final norm, TE's CP and THD attention, DDP's
-  stream, the schedule's CUDA tensors, Bridge's TE import), installed by the launcher on CPU; test
+  stream, the schedule's CUDA tensors, the alltoall MoE dispatcher's stream and split sizes, Bridge's
+  TE import), installed by the launcher on CPU; test
   scaffolding only, ``cpu_shims()`` context manager or ``install()`` / ``uninstall()``.
 * ``releases``: other upstream releases side by side (``release_site``, ``copy_installed``,
   ``link_installed``, ``run_with_release``, ``record_sha256``); ``remote_code``: a tiny

@@ -2,7 +2,7 @@
 
 A `RankPool` starts ``world_size`` processes once (forked from `preloaded`'s server, prepared as
 spawned ones); each joins a process group on 127.0.0.1 (gloo on CPU, nccl on CUDA) and calls
-``parallel_state.initialize_model_parallel(tp, 1, cp)``. Every ``pool.run(fn)`` then installs the
+``parallel_state.initialize_model_parallel`` with the pool's tensor, context and expert parallel sizes. Every ``pool.run(fn)`` then installs the
 asked-for fixes in the ranks, seeds every generator (torch, Python, Megatron's model-parallel RNG
 tracker) and runs ``fn(*args, **kwargs)`` on every rank: the cost of starting ranks and importing
 torch and megatron-core is paid once per pool, not per case. `run_ranks` is a pool used for one
@@ -63,15 +63,18 @@ class RankPool:
     """``world_size`` ranks with TP/CP set up, reused by every `run`; spawned at the first one.
 
     tp, cp: tensor / context parallel sizes (``world_size`` must be a multiple of ``tp * cp``; the
-    rest is data parallel). seed: seeds torch, ``random`` and Megatron's RNG tracker identically on
+    rest is data parallel). ep, etp: expert model / expert tensor parallel sizes of MoE layers
+    (``etp=None``: megatron-core's default, ``tp``; ``world_size`` must be a multiple of ``etp * ep``;
+    TP2 x EP2 on 2 ranks, as Nemotron 3 Super trains, is ``tp=2, ep=2, etp=1``). seed: seeds torch, ``random`` and Megatron's RNG tracker identically on
     every rank before each run. device: "cpu" (gloo + CPU shims) or "cuda" (nccl, no shims, one GPU
     per rank). log: a file the ranks' stdout and stderr go to (appended), or None to inherit ours.
     Use it as a context manager, or call `close`.
     """
 
-    def __init__(self, world_size, *, tp=1, cp=1, seed=1234, device="cpu", log=None):
-        _check_layout(world_size, tp, cp, device)
+    def __init__(self, world_size, *, tp=1, cp=1, ep=1, etp=None, seed=1234, device="cpu", log=None):
+        _check_layout(world_size, tp, cp, device, ep, etp)
         self.world_size, self.tp, self.cp, self.seed, self.device = world_size, tp, cp, seed, device
+        self.ep, self.etp = ep, etp
         self.log = None if log is None else os.fspath(log)
         self._processes, self._connections = {}, {}
 
@@ -127,7 +130,7 @@ class RankPool:
         for rank in range(self.world_size):
             ours, theirs = context.Pipe(duplex=True)
             setup = dict(rank=rank, world_size=self.world_size, port=port, seed=self.seed, environ=dict(os.environ))
-            setup.update(tp=self.tp, cp=self.cp, device=self.device, log=self.log)
+            setup.update(tp=self.tp, cp=self.cp, ep=self.ep, etp=self.etp, device=self.device, log=self.log)
             self._processes[rank] = context.Process(target=_worker, args=(setup, theirs), daemon=True)
             self._connections[rank] = ours
             try:
@@ -136,16 +139,17 @@ class RankPool:
                 theirs.close()  # the child holds the only other end: EOF means it died
 
 
-def run_ranks(fn, world_size, *, tp=1, cp=1, args=(), kwargs=None, fixes=None, timeout=300, seed=1234,
-              device="cpu", log=None, fresh=False):
+def run_ranks(fn, world_size, *, tp=1, cp=1, ep=1, etp=None, args=(), kwargs=None, fixes=None, timeout=300,
+              seed=1234, device="cpu", log=None, fresh=False):
     """``fn(*args, **kwargs)`` on ``world_size`` ranks: fresh ones (a `RankPool` for one run), or,
     with ``MTP_OVERLAY_SHARED_RANKS=1`` and not ``fresh``, the shared pool of this layout and sys.path."""
     options = dict(args=args, kwargs=kwargs, fixes=fixes, timeout=timeout)
+    layout = dict(tp=tp, cp=cp, ep=ep, etp=etp, seed=seed, device=device, log=log)
     if fresh or os.environ.get(SHARED_RANKS) != "1":
-        with RankPool(world_size, tp=tp, cp=cp, seed=seed, device=device, log=log) as pool:
+        with RankPool(world_size, **layout) as pool:
             return pool.run(fn, **options)
-    key = (world_size, tp, cp, seed, device, log, tuple(sys.path))
-    pool = _shared.pop(key, None) or RankPool(world_size, tp=tp, cp=cp, seed=seed, device=device, log=log)
+    key = (world_size, tp, cp, ep, etp, seed, device, log, tuple(sys.path))
+    pool = _shared.pop(key, None) or RankPool(world_size, **layout)
     _shared[key] = pool  # the most recently used last
     while len(_shared) > SHARED_POOLS:
         _shared.popitem(last=False)[1].close()
@@ -169,12 +173,19 @@ def _values(results):
     return [result.value for result in results]
 
 
-def _check_layout(world_size, tp, cp, device):
-    for name, value in (("world_size", world_size), ("tp", tp), ("cp", cp)):
+def _check_layout(world_size, tp, cp, device, ep=1, etp=None):
+    sizes = (("world_size", world_size), ("tp", tp), ("cp", cp), ("ep", ep)) + ((("etp", etp),) if etp is not None else ())
+    for name, value in sizes:
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
+            raise ValueError(f"{name} must be a positive int, got {value!r}" + (" (or None: tp)" if name == "etp" else ""))
     if world_size % (tp * cp):
         raise ValueError(f"world_size ({world_size}) must be a multiple of tp * cp ({tp} * {cp})")
+    expert_tp = tp if etp is None else etp
+    if world_size % (expert_tp * ep):
+        raise ValueError(
+            f"world_size ({world_size}) must be a multiple of etp * ep ({expert_tp} * {ep}; etp defaults to tp): "
+            "megatron-core lays the experts' tensor x expert parallel grid over the same ranks"
+        )
     if device not in DEVICES:
         raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
     if device == "cuda":
@@ -278,7 +289,6 @@ class _RankContext:
 
         import torch
         import torch.distributed as dist
-        from megatron.core import parallel_state
 
         self.setup = setup
         torch.set_num_threads(1)
@@ -298,11 +308,7 @@ class _RankContext:
             world_size=setup["world_size"],
             timeout=datetime.timedelta(seconds=120),
         )
-        parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=setup["tp"],
-            pipeline_model_parallel_size=1,
-            context_parallel_size=setup["cp"],
-        )
+        _initialize_model_parallel(setup)
 
     def run(self, fn, args, kwargs, fixes):
         import random
@@ -312,14 +318,10 @@ class _RankContext:
 
         import mtp_overlay
 
-        layout = (self.setup["tp"], self.setup["cp"])
-        if not parallel_state.model_parallel_is_initialized() or layout != (
-            parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_context_parallel_world_size()
-        ):  # an earlier run changed the layout: back to the pool's
+        if not parallel_state.model_parallel_is_initialized() or _layout(self.setup) != _current_layout():
+            # an earlier run changed the layout: back to the pool's
             parallel_state.destroy_model_parallel()
-            parallel_state.initialize_model_parallel(
-                tensor_model_parallel_size=layout[0], pipeline_model_parallel_size=1, context_parallel_size=layout[1]
-            )
+            _initialize_model_parallel(self.setup)
 
         mtp_overlay.uninstall()
         if fixes is None:
@@ -338,3 +340,32 @@ class _RankContext:
 
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
+
+
+def _layout(setup):
+    """(tp, cp, ep, etp) of a rank's setup, etp resolved (None: tp)."""
+    return setup["tp"], setup["cp"], setup["ep"], setup["tp"] if setup["etp"] is None else setup["etp"]
+
+
+def _current_layout():
+    from megatron.core import parallel_state
+
+    return (
+        parallel_state.get_tensor_model_parallel_world_size(),
+        parallel_state.get_context_parallel_world_size(),
+        parallel_state.get_expert_model_parallel_world_size(),
+        parallel_state.get_expert_tensor_parallel_world_size(),
+    )
+
+
+def _initialize_model_parallel(setup):
+    from megatron.core import parallel_state
+
+    tp, cp, ep, etp = _layout(setup)
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=1,
+        context_parallel_size=cp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
+    )

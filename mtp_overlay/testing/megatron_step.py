@@ -37,6 +37,7 @@ import contextlib
 import dataclasses
 import functools
 import math
+import re
 
 LOSS_SHAPES = ("2-output", "3-output", "nemo-rl")
 OPTIMIZERS = ("megatron", None)
@@ -62,6 +63,9 @@ class MegatronStepResult:
     grad_norm, group_grad_norms: L2 norms of those gradients, whole model and per top-level module.
     zero_grad_params: parameters whose gradient is all zero.
     update_norm: L2 norm of the optimizer's weight update (None without an optimizer step).
+    moe_metrics: per MoE metric (``"load_balancing_loss"``, ...), megatron-core's per-layer logged
+      values of the step (`moe.logged_moe_metrics`); empty without MoE layers.
+    router_grads: every MoE router weight's finalized gradient (`moe.router_gradients`), by name.
     """
 
     lm_loss: float
@@ -73,6 +77,8 @@ class MegatronStepResult:
     group_grad_norms: dict
     zero_grad_params: tuple
     update_norm: float | None
+    moe_metrics: dict = dataclasses.field(default_factory=dict)
+    router_grads: dict = dataclasses.field(default_factory=dict)
 
     @property
     def mtp_loss(self):
@@ -127,7 +133,7 @@ class MegatronStep:
             self.optimizer = get_megatron_optimizer(settings, [self.model])
 
     def step(self, microbatches, *, loss="3-output", labels=True, mtp_grad_scale=None, update=True,
-             mtp_mask="explicit"):
+             mtp_mask="explicit", aux_loss_only=False):
         """One training step over ``microbatches``; returns a MegatronStepResult.
 
         microbatches: this data-parallel rank's microbatches, each a dict of full-length [mbs, seq]
@@ -148,6 +154,10 @@ class MegatronStep:
         mtp_mask: how ``mtp_loss_mask`` reaches the model: "explicit" (as its ``loss_mask``) or
           "scoped" (``mtp_overlay.mtp.loss_mask_scope`` around the forward, no ``loss_mask``: the
           route of fix mtp-loss-mask; stock megatron-core ignores the scope).
+        aux_loss_only: only the MoE auxiliary losses train: the loss function's loss is multiplied by
+          0 and the MTP loss scale is 0 (``config.mtp_grad_scale_func``), so the one gradient left
+          is what ``MoEAuxLossAutoScaler`` injects, at the schedule's own MoE loss scale; the
+          reported losses are the step's as usual. Needs a model with MoE layers.
         """
         import torch
         from megatron.core import parallel_state
@@ -157,8 +167,16 @@ class MegatronStep:
         from .. import mtp
         from .tiny_gpt import logged_mtp_metrics
 
+        from . import moe
+
         per_token = bool(self.config.calculate_per_token_loss)
         check_step_arguments(microbatches, loss, labels, mtp_grad_scale, per_token, update, self.optimizer, mtp_mask)
+        if aux_loss_only and (not getattr(self.config, "num_moe_experts", None) or mtp_grad_scale is not None):
+            raise ValueError(
+                "aux_loss_only=True needs a model with MoE layers (config.num_moe_experts) and mtp_grad_scale=None "
+                f"(it sets the MTP loss scale to 0), got num_moe_experts={getattr(self.config, 'num_moe_experts', None)!r}, "
+                f"mtp_grad_scale={mtp_grad_scale!r}"
+            )
         cp_group = parallel_state.get_context_parallel_group()
         dp_group = parallel_state.get_data_parallel_group()
         dp_cp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
@@ -176,6 +194,8 @@ class MegatronStep:
                 nemo_rl_loss, valid_tokens, len(microbatches), torch.distributed.get_world_size(cp_group)
             ),
         }[loss]
+        if aux_loss_only:
+            loss_function = functools.partial(_zero_loss, loss_function)
         language_model = self.language_model
 
         def forward_step(data_iterator, model):
@@ -205,9 +225,13 @@ class MegatronStep:
         if self.optimizer is not None:
             self.optimizer.zero_grad()
         MTPLossLoggingHelper.tracker.clear()  # fresh, sized by this model's MTP depth on first use
+        moe.fresh_moe_tracker()  # likewise, by this model's layers
         previous_scale = self.config.mtp_grad_scale_func
-        if mtp_grad_scale is not None:
-            scale = 1.0 / valid_tokens if mtp_grad_scale == GLOBAL_VALID_TOKENS else float(mtp_grad_scale)
+        if mtp_grad_scale is not None or aux_loss_only:
+            if aux_loss_only:
+                scale = 0.0
+            else:
+                scale = 1.0 / valid_tokens if mtp_grad_scale == GLOBAL_VALID_TOKENS else float(mtp_grad_scale)
             self.config.mtp_grad_scale_func = lambda: scale
         try:
             reports = get_forward_backward_func()(
@@ -226,11 +250,13 @@ class MegatronStep:
         torch.distributed.all_reduce(lm_totals, group=dp_cp_group)
         metrics = logged_mtp_metrics(len(prepared), dp_cp_group)
         grads = _finalized_grads(language_model)
+        moe_facts = dict(moe_metrics=moe.logged_moe_metrics(len(prepared)), router_grads=moe.router_gradients(language_model))
         update_norm = None
         if update:
             update_norm = self._optimizer_step()
         return MegatronStepResult(
-            lm_loss=(lm_totals[0] / lm_totals[1].clamp(min=1)).item(), update_norm=update_norm, **metrics, **grads
+            lm_loss=(lm_totals[0] / lm_totals[1].clamp(min=1)).item(), update_norm=update_norm, **metrics, **grads,
+            **moe_facts,
         )
 
     def _optimizer_step(self):
@@ -242,6 +268,12 @@ class MegatronStep:
             raise RuntimeError("megatron-core's optimizer step did not succeed")
         after = _full_flat(model, lambda param: param)
         return math.sqrt(sum((flat - before[name]).double().pow(2).sum().item() for name, flat in after))
+
+
+def _zero_loss(loss_function, *args):
+    """``loss_function(*args)`` with its loss (the first output) times 0: no gradient, same reports."""
+    loss, *rest = loss_function(*args)
+    return (loss * 0, *rest)
 
 
 def three_output_loss(loss_mask, output_tensor):
@@ -383,21 +415,65 @@ def _language_model(model):
 
 
 def _full_flat(model, tensor_of):
-    """(name, flat float32 CPU tensor) per parameter of ``model``: ``tensor_of(param)`` (None: zeros)
-    with TP shards gathered to the full tensor, identical on every TP rank."""
+    """[(name, flat float32 CPU tensor)] of every parameter of ``model`` in the order of the same
+    model built at TP1 / EP1: ``tensor_of(param)`` (None: zeros), identical on every rank.
+
+    TP shards are gathered to the full tensor over the parameter's own tensor-parallel group (the
+    expert tensor-parallel group for experts). Under expert parallelism each rank holds only its
+    experts (``...experts.local_experts.<i>...``, global expert ``ep_rank * local + i``): they are
+    gathered over the expert-parallel group and listed in global expert order under their global
+    names, where a TP1 / EP1 model lists them.
+    """
     import torch
     from megatron.core import parallel_state
 
-    tp_group = parallel_state.get_tensor_model_parallel_group()
-    tp_size = torch.distributed.get_world_size(tp_group)
-    for name, param in model.named_parameters():
+    groups = {False: parallel_state.get_tensor_model_parallel_group(),
+              True: parallel_state.get_expert_tensor_parallel_group()}
+    ep_group = parallel_state.get_expert_model_parallel_group()
+    ep_size = torch.distributed.get_world_size(ep_group)
+    out, experts = [], {}  # experts: module prefix -> [(global index, position, name, flat)]
+    for position, (name, param) in enumerate(model.named_parameters()):
         tensor = tensor_of(param)
         tensor = torch.zeros_like(param, dtype=torch.float32) if tensor is None else tensor.detach().float()
+        match = _EXPERT.match(name)
+        group = groups[match is not None]
+        tp_size = torch.distributed.get_world_size(group)
         if tp_size > 1 and getattr(param, "tensor_model_parallel", False):
             shards = [torch.empty_like(tensor) for _ in range(tp_size)]
-            torch.distributed.all_gather(shards, tensor.contiguous(), group=tp_group)
+            torch.distributed.all_gather(shards, tensor.contiguous(), group=group)
             tensor = torch.cat(shards, dim=param.partition_dim)
-        yield name, tensor.reshape(-1).cpu()
+        flat = tensor.reshape(-1).cpu()
+        if match is None:
+            out.append((name, flat))
+            continue
+        prefix, local = match["prefix"], int(match["index"])
+        if prefix not in experts:
+            experts[prefix] = []
+            out.append((prefix, None))  # where this module's experts go
+        parts = [flat]
+        if ep_size > 1:
+            parts = [torch.empty_like(flat) for _ in range(ep_size)]
+            torch.distributed.all_gather(parts, flat.contiguous(), group=ep_group)
+        count = _local_experts(model, prefix)
+        for ep_rank, part in enumerate(parts):
+            index = ep_rank * count + local
+            experts[prefix].append((index, position, f"{prefix}{index}{match['rest']}", part))
+    listed = []
+    for name, flat in out:
+        if flat is not None:
+            listed.append((name, flat))
+        else:
+            listed += [(global_name, part) for _, _, global_name, part in sorted(experts[name], key=lambda e: e[:2])]
+    return listed
+
+
+# a SequentialMLP expert's parameter: "<module>.experts.local_experts." + local index + the rest
+_EXPERT = re.compile(r"^(?P<prefix>.*\.experts\.local_experts\.)(?P<index>\d+)(?P<rest>\..+)$")
+
+
+def _local_experts(model, prefix):
+    """How many experts the ``local_experts`` module at ``prefix`` (``"....local_experts."``) holds."""
+    return len(model.get_submodule(prefix.rstrip(".")))
 
 
 def _finalized_grads(model):

@@ -182,6 +182,9 @@ def test_fixes_selects_what_the_workers_install():
     [
         (dict(world_size=3, tp=2), "world_size (3) must be a multiple of tp * cp (2 * 1)"),
         (dict(world_size=0), "world_size must be a positive int"),
+        (dict(world_size=2, ep=0), "ep must be a positive int"),
+        (dict(world_size=2, etp=True), "etp must be a positive int, got True (or None: tp)"),
+        (dict(world_size=2, tp=2, ep=2), "world_size (2) must be a multiple of etp * ep (2 * 2; etp defaults to tp)"),
         (dict(world_size=1, fixes=["no-such-fix"]), "unknown fix 'no-such-fix'"),
         (dict(world_size=1, device="tpu"), "device must be one of"),
         (dict(world_size=1, timeout=0), "timeout must be a positive number"),
