@@ -2,14 +2,14 @@
 
 A `RankPool` starts ``world_size`` processes once (forked from `preloaded`'s server, prepared as
 spawned ones); each joins a process group on 127.0.0.1 (gloo on CPU, nccl on CUDA) and calls
-``parallel_state.initialize_model_parallel`` with the pool's tensor, context and expert parallel sizes. Every ``pool.run(fn)`` then installs the
-asked-for fixes in the ranks, seeds every generator (torch, Python, Megatron's model-parallel RNG
-tracker) and runs ``fn(*args, **kwargs)`` on every rank: the cost of starting ranks and importing
-torch and megatron-core is paid once per pool, not per case. `run_ranks` is a pool used for one
-call. On CPU the shims of ``cpu_shims`` are installed in the ranks. A rank that crashes or hangs
-never hangs the caller: each run is bounded by ``timeout``; once one rank failed, the others get
-``FAILURE_GRACE_S`` before they are killed, and a pool whose run failed starts fresh ranks for its
-next run.
+``parallel_state.initialize_model_parallel`` with the pool's tensor, context and expert parallel
+sizes. Every ``pool.run(fn)`` then installs the asked-for fixes in the ranks, seeds every generator
+(torch, Python, Megatron's model-parallel RNG tracker) and runs ``fn(*args, **kwargs)`` on every
+rank: the cost of starting ranks and importing torch and megatron-core is paid once per pool, not
+per case. `run_ranks` is a pool used for one call. On CPU the shims of ``cpu_shims`` are installed
+in the ranks. A rank that crashes or hangs never hangs the caller: each run is bounded by
+``timeout``; once one rank failed, the others get ``FAILURE_GRACE_S`` before they are killed, and a
+pool whose run failed starts fresh ranks for its next run.
 
 ``fn`` and its arguments must be picklable (a module-level function), as must its return value.
 """
@@ -62,13 +62,13 @@ class RanksFailed(RuntimeError):
 class RankPool:
     """``world_size`` ranks with TP/CP set up, reused by every `run`; spawned at the first one.
 
-    tp, cp: tensor / context parallel sizes (``world_size`` must be a multiple of ``tp * cp``; the
-    rest is data parallel). ep, etp: expert model / expert tensor parallel sizes of MoE layers
-    (``etp=None``: megatron-core's default, ``tp``; ``world_size`` must be a multiple of ``etp * ep``;
-    TP2 x EP2 on 2 ranks, as Nemotron 3 Super trains, is ``tp=2, ep=2, etp=1``). seed: seeds torch, ``random`` and Megatron's RNG tracker identically on
-    every rank before each run. device: "cpu" (gloo + CPU shims) or "cuda" (nccl, no shims, one GPU
-    per rank). log: a file the ranks' stdout and stderr go to (appended), or None to inherit ours.
-    Use it as a context manager, or call `close`.
+    tp, cp: tensor / context parallel sizes (``world_size`` must be a multiple of ``tp * cp``; the rest
+    is data parallel). ep, etp: expert model / expert tensor parallel sizes of MoE layers (``etp=None``:
+    megatron-core's default, ``tp``; ``world_size`` must be a multiple of ``etp * ep``; TP2 x EP2 on 2
+    ranks, as Nemotron 3 Super trains, is ``tp=2, ep=2, etp=1``). seed: seeds torch, ``random`` and
+    Megatron's RNG tracker identically on every rank before each run. device: "cpu" (gloo + CPU shims)
+    or "cuda" (nccl, no shims, one GPU per rank). log: a file the ranks' stdout and stderr go to
+    (appended), or None to inherit ours. Use it as a context manager, or call `close`.
     """
 
     def __init__(self, world_size, *, tp=1, cp=1, ep=1, etp=None, seed=1234, device="cpu", log=None):
@@ -174,10 +174,12 @@ def _values(results):
 
 
 def _check_layout(world_size, tp, cp, device, ep=1, etp=None):
-    sizes = (("world_size", world_size), ("tp", tp), ("cp", cp), ("ep", ep)) + ((("etp", etp),) if etp is not None else ())
+    sizes = [("world_size", world_size), ("tp", tp), ("cp", cp), ("ep", ep)]
+    sizes += [("etp", etp)] if etp is not None else []
     for name, value in sizes:
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}" + (" (or None: tp)" if name == "etp" else ""))
+            alternative = " (or None: tp)" if name == "etp" else ""
+            raise ValueError(f"{name} must be a positive int, got {value!r}{alternative}")
     if world_size % (tp * cp):
         raise ValueError(f"world_size ({world_size}) must be a multiple of tp * cp ({tp} * {cp})")
     expert_tp = tp if etp is None else etp

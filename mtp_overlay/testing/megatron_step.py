@@ -165,17 +165,16 @@ class MegatronStep:
         from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
         from .. import mtp
-        from .tiny_gpt import logged_mtp_metrics
-
         from . import moe
+        from .tiny_gpt import logged_mtp_metrics
 
         per_token = bool(self.config.calculate_per_token_loss)
         check_step_arguments(microbatches, loss, labels, mtp_grad_scale, per_token, update, self.optimizer, mtp_mask)
-        if aux_loss_only and (not getattr(self.config, "num_moe_experts", None) or mtp_grad_scale is not None):
+        experts = getattr(self.config, "num_moe_experts", None)
+        if aux_loss_only and (not experts or mtp_grad_scale is not None):
             raise ValueError(
                 "aux_loss_only=True needs a model with MoE layers (config.num_moe_experts) and mtp_grad_scale=None "
-                f"(it sets the MTP loss scale to 0), got num_moe_experts={getattr(self.config, 'num_moe_experts', None)!r}, "
-                f"mtp_grad_scale={mtp_grad_scale!r}"
+                f"(it sets the MTP loss scale to 0), got num_moe_experts={experts!r}, mtp_grad_scale={mtp_grad_scale!r}"
             )
         cp_group = parallel_state.get_context_parallel_group()
         dp_group = parallel_state.get_data_parallel_group()
@@ -227,12 +226,11 @@ class MegatronStep:
         MTPLossLoggingHelper.tracker.clear()  # fresh, sized by this model's MTP depth on first use
         moe.fresh_moe_tracker()  # likewise, by this model's layers
         previous_scale = self.config.mtp_grad_scale_func
-        if mtp_grad_scale is not None or aux_loss_only:
-            if aux_loss_only:
-                scale = 0.0
-            else:
-                scale = 1.0 / valid_tokens if mtp_grad_scale == GLOBAL_VALID_TOKENS else float(mtp_grad_scale)
-            self.config.mtp_grad_scale_func = lambda: scale
+        scale = 0.0 if aux_loss_only else mtp_grad_scale
+        if scale == GLOBAL_VALID_TOKENS:
+            scale = 1.0 / valid_tokens
+        if scale is not None:
+            self.config.mtp_grad_scale_func = lambda: float(scale)
         try:
             reports = get_forward_backward_func()(
                 forward_step_func=forward_step,
@@ -250,7 +248,8 @@ class MegatronStep:
         torch.distributed.all_reduce(lm_totals, group=dp_cp_group)
         metrics = logged_mtp_metrics(len(prepared), dp_cp_group)
         grads = _finalized_grads(language_model)
-        moe_facts = dict(moe_metrics=moe.logged_moe_metrics(len(prepared)), router_grads=moe.router_gradients(language_model))
+        moe_facts = dict(moe_metrics=moe.logged_moe_metrics(len(prepared)),
+                         router_grads=moe.router_gradients(language_model))
         update_norm = None
         if update:
             update_norm = self._optimizer_step()

@@ -10,19 +10,23 @@ Models (``MODELS``): the tiny GPTModel, the tiny HybridModel, that HybridModel b
 ``scatter_embedding_sequence_parallel=False`` (Nemotron VL/Omni's setting: mtp-sp-scatter), and,
 with megatron-bridge installed, a NemotronH HybridModel built by Bridge's provider (the same
 setting); and the zoo model (``tiny_hybrid.build_zoo``: attention, MoE and MLP layers, the Super
-recipe's MTP ``"*E"`` at 2 depths with one repeated layer, alltoall dispatcher) built directly and by
-Bridge's NemotronH provider (its own router: sigmoid, expert bias, sequence aux loss; a shared
-expert). The zoo rows run with the MoE aux-loss coefficient 0: the load-balancing loss is a function
-of the whole microbatch's routing (padding included), not a sum over sequences, so a per-sequence
+recipe's MTP ``"*E"`` at 2 depths with one repeated layer, alltoall dispatcher) built directly and
+by Bridge's NemotronH provider (its own router: sigmoid, expert bias, sequence aux loss; a shared
+expert).
+
+The zoo rows run with the MoE aux-loss coefficient 0: the load-balancing loss is a function of the
+whole microbatch's routing (padding included), not a sum over sequences, so a per-sequence
 reference exists only without it (routing itself is per token, nothing dropped). The ``aux loss``
 zoo rows keep it (`AUX_LOSS_COEFF`) on the full-length BSHD batch only, with two references at TP1
 on the same batch: the model with ``is_mtp_layer`` set by hand on its MTP block's MoE layers
-(`moe.flag_mtp_moe_layers`: what upstream means, Megatron-LM PR #6748), which the overlay misses
-by the open defect of `OPEN_DEFECTS`, and stock itself (the layout check: every parallelism must
-give TP1's gradients, the defect included). The expert-parallel layouts (EP2, TP2xEP2+SP with
-expert tensor parallel size 1, as Nemotron 3 Super trains) run the MoE models only. Layouts (``LAYOUTS``): BSHD (``make_batch``, 2 x 32), and one packed THD row of four
-sequences in NeMo-RL's two ``PackedSeqParams`` flavours, "padded" (``cu_seqlens_q`` padded) and
-"unpadded" (``cu_seqlens_q`` real, ``cu_seqlens_q_padded`` padded: NeMo-RL PR #3494's
+(`moe.flag_mtp_moe_layers`: what upstream means, Megatron-LM PR #6748), which the overlay misses by
+the open defect of `OPEN_DEFECTS`, and stock itself (the layout check: every parallelism must give
+TP1's gradients, the defect included). The expert-parallel layouts (EP2, TP2xEP2+SP with expert
+tensor parallel size 1, as Nemotron 3 Super trains) run the MoE models only.
+
+Layouts (``LAYOUTS``): BSHD (``make_batch``, 2 x 32), and one packed THD row of four sequences in
+NeMo-RL's two ``PackedSeqParams`` flavours, "padded" (``cu_seqlens_q`` padded) and "unpadded"
+(``cu_seqlens_q`` real, ``cu_seqlens_q_padded`` padded: NeMo-RL PR #3494's
 ``model_slices_context_parallel_inputs`` path). Every case is an RL forward (``labels=None``) with a
 response-only loss mask, the per-token 3-output loss (``calculate_per_token_loss=True``, where
 upstream's own LM normalisation is exact under CP). References: BSHD at TP1 for BSHD; for packed

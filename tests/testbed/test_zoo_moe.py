@@ -31,6 +31,7 @@ import pytest
 from mtp_overlay.testing import parity
 from mtp_overlay.testing.bridge import BRIDGE_MISSING, bridge_installed
 from mtp_overlay.testing.launcher import run_ranks_checked
+from mtp_overlay.testing.tiny_hybrid import ZOO_PATTERN
 
 EXACT = 1e-6  # max |Δgrad| of float32 gradients summed in another order (measured: <= 1e-7)
 LOSS = 1e-5  # relative, losses
@@ -38,6 +39,12 @@ DIFFERS = 1e-4  # a missing fix moves the MTP gradient by >= 1e-3 here
 DIRECT = ("zoo", "zoo, aux loss")
 BRIDGE = ("bridge zoo", "bridge zoo, aux loss")
 needs_bridge = pytest.mark.skipif(not bridge_installed(), reason=BRIDGE_MISSING)
+# what the zoo pattern says (so the tests follow it when a layer kind joins the zoo)
+MAIN, MTP = ZOO_PATTERN.split("/")[:2]
+DEPTHS = ZOO_PATTERN.count("/")  # mtp_num_layers: the repeated MTP layer's applications
+LAYER_CLASSES = {"*": "TransformerLayer", "E": "MoETransformerLayer", "-": "MLPLayer"}
+BACKBONE_MOE = [index for index, symbol in enumerate(MAIN) if symbol == "E"]  # layer number - 1
+MTP_MOE = [index for index, symbol in enumerate(MTP) if symbol == "E"]  # within the MTP pattern
 
 
 # ---------------------------------------------------------------- rank workers
@@ -48,18 +55,16 @@ def zoo_plan(parallelism, cases, extras):
     ``extras`` (keys of EXTRAS); rank 0's results (None elsewhere)."""
     import torch
 
-    from mtp_overlay.testing.cpu_shims import installed
-
     results = dict(rows=parity.run_cases(cases))
     sp = parity.PARALLELISMS[parallelism]["sp"]
     for name in extras:
         results[name] = EXTRAS[name](sp)
-    assert installed()
     return results if torch.distributed.get_rank() == 0 else None
 
 
 def build_facts(sp):
     """What build_zoo and build_tiny_hybrid build and refuse; the host-tensor stand-in's behaviour."""
+    import torch
     from megatron.core.transformer.moe import moe_utils, token_dispatcher
 
     from mtp_overlay.testing import cpu_shims
@@ -74,8 +79,6 @@ def build_facts(sp):
         except ValueError as error:
             refusals[pattern] = str(error)
     facts["refusals"] = refusals
-    import torch
-
     splits = torch.tensor([3, 1])
     stand_in, upstream = token_dispatcher.maybe_move_tensor_to_cpu, moe_utils.maybe_move_tensor_to_cpu
     facts["to_host"] = dict(
@@ -103,7 +106,7 @@ def bridge_facts(sp):
 
 
 def _layers(model):
-    moe = model.decoder.layers[1].mlp
+    moe = model.decoder.layers[BACKBONE_MOE[0]].mlp
     mtp = model.mtp.layers
     return dict(
         model=type(model).__name__,
@@ -116,7 +119,7 @@ def _layers(model):
         shared_experts=moe.shared_experts is not None,
         router=type(moe.router).__name__,
         dispatcher=type(moe.token_dispatcher).__name__,
-        mtp_router_flag=mtp[0].mtp_model_layer.layers[1].mlp.router.is_mtp_layer,
+        mtp_router_flag=mtp[0].mtp_model_layer.layers[MTP_MOE[0]].mlp.router.is_mtp_layer,
     )
 
 
@@ -131,7 +134,8 @@ def train(sp):
     from mtp_overlay.testing.tiny_hybrid import build_zoo
 
     step = MegatronStep(build_zoo(sequence_parallel=sp), optimizer="megatron")
-    first, second = (step.step([make_batch()], loss="3-output") for _ in range(2))
+    first = step.step([make_batch()], loss="3-output")
+    second = step.step([make_batch()], loss="3-output")
     return dict(losses=(first.lm_loss, second.lm_loss), mtp_losses=(first.mtp_losses, second.mtp_losses),
                 update_norms=(first.update_norm, second.update_norm), zero_grad_params=first.zero_grad_params,
                 aux_slots=first.moe_metrics)
@@ -189,8 +193,23 @@ def dispatchers(sp):
     return out
 
 
+def upstream_experts(sp):
+    """The zoo's BSHD parity case with each rank building only its own experts (upstream's expert
+    builder called directly, not through `tiny_hybrid.experts_of_every_rank`)."""
+    from mtp_overlay.testing import cpu_shims, tiny_hybrid
+    from mtp_overlay.testing.megatron_step import MegatronStep
+
+    def own_experts_only(build_experts, num_local_experts, config, *, pg_collection, name=None):
+        return build_experts(num_local_experts, config, pg_collection=pg_collection, name=name)
+
+    with cpu_shims.swapped([cpu_shims.Shim(tiny_hybrid, "experts_of_every_rank", own_experts_only)]):
+        model = parity.build("zoo", sequence_parallel=sp)
+    step = MegatronStep(model, optimizer=None)
+    return step.step([parity.microbatch(parity.Case("zoo", "bshd"))], labels=False, update=False)
+
+
 EXTRAS = dict(build=build_facts, bridge_build=bridge_facts, train=train, aux=aux, bridge_aux=bridge_aux,
-              dispatch=dispatchers)
+              dispatch=dispatchers, upstream_experts=upstream_experts)
 
 
 # ---------------------------------------------------------------- layout runs (one per layout)
@@ -220,7 +239,7 @@ def tp1():
 
 @pytest.fixture(scope="module")
 def ep2(tp1):
-    return run_zoo("EP2", DIRECT, ("train", "aux", "dispatch"), tp1["references"])
+    return run_zoo("EP2", DIRECT, ("train", "aux", "dispatch", "upstream_experts"), tp1["references"])
 
 
 @pytest.fixture(scope="module")
@@ -234,37 +253,35 @@ def bridge_tp1():
 
 
 @pytest.fixture(scope="module")
-def tp2_ep2(tp1, bridge_tp1):
-    """TP2xEP2+SP, the direct and the Bridge-built zoo (the Super recipe's layout)."""
-    direct = run_zoo("TP2xEP2+SP", DIRECT, ("train", "aux", "dispatch"), tp1["references"])
-    bridge = run_zoo("TP2xEP2+SP", BRIDGE, ("bridge_aux",), bridge_tp1["references"])
-    return direct, bridge
+def tp2_ep2(tp1):
+    """TP2xEP2+SP on 2 ranks, expert tensor parallel size 1 (the Super recipe's layout)."""
+    return run_zoo("TP2xEP2+SP", DIRECT, ("train", "aux", "dispatch"), tp1["references"])
+
+
+@pytest.fixture(scope="module")
+def bridge_tp2_ep2(bridge_tp1):
+    return run_zoo("TP2xEP2+SP", BRIDGE, ("bridge_aux",), bridge_tp1["references"])
 
 
 PARALLELISM = {"tp1": "TP1", "ep2": "EP2", "tp2_sp": "TP2+SP", "tp2_ep2": "TP2xEP2+SP"}
 LAYOUTS = ["tp1", "ep2", "tp2_sp", pytest.param("tp2_ep2", marks=pytest.mark.slow)]
 
 
-def layout_results(request, name):
-    if name == "tp2_ep2":
-        return request.getfixturevalue("tp2_ep2")[0]
-    return request.getfixturevalue(name)
-
-
 # ---------------------------------------------------------------- the model
 
 
 def test_zoo_holds_the_layers_of_its_pattern(tp1):
-    """'*E*-/*E/*E': attention, MoE, attention, MLP; one MTP layer (repeated at both depths) of
-    attention + MoE; megatron-core's MoELayer, SequentialMLP experts, TopKRouter and the dispatcher
-    asked for; stock builds the MTP block's router without is_mtp_layer."""
+    """ZOO_PATTERN's layers in order; one MTP layer (repeated at every depth) of the MTP pattern's
+    layers; megatron-core's MoELayer, SequentialMLP experts, TopKRouter and the dispatcher asked for;
+    stock builds the MTP block's router without is_mtp_layer."""
     zoo, allgather = tp1["build"]["zoo"], tp1["build"]["allgather"]
     assert zoo["model"] == "HybridModel"
-    assert zoo["decoder"] == ["TransformerLayer", "MoETransformerLayer", "TransformerLayer", "MLPLayer"]
-    assert zoo["mtp_layers"] == 1 and zoo["mtp_inner"] == ["TransformerLayer", "MoETransformerLayer"]
-    assert (zoo["moe"], zoo["experts"], zoo["local_experts"], zoo["router"]) == ("MoELayer", "SequentialMLP", 4,
-                                                                                 "TopKRouter")
-    assert zoo["dispatcher"] == "MoEAlltoAllTokenDispatcher" and allgather["dispatcher"] == "MoEAllGatherTokenDispatcher"
+    assert zoo["decoder"] == [LAYER_CLASSES[symbol] for symbol in MAIN]
+    assert zoo["mtp_layers"] == 1 and zoo["mtp_inner"] == [LAYER_CLASSES[symbol] for symbol in MTP]
+    assert (zoo["moe"], zoo["experts"], zoo["router"]) == ("MoELayer", "SequentialMLP", "TopKRouter")
+    assert zoo["local_experts"] == 4 and not zoo["shared_experts"]
+    assert zoo["dispatcher"] == "MoEAlltoAllTokenDispatcher"
+    assert allgather["dispatcher"] == "MoEAllGatherTokenDispatcher"
     assert zoo["mtp_router_flag"] is False  # the open defect, on stock
 
 
@@ -284,13 +301,13 @@ def test_bridge_builds_the_zoo_from_a_nemotron_h_config(bridge_tp1):
     assert facts["provider"] == "HybridModelProvider"
     assert facts["config"] == dict(
         num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=128, moe_shared_expert_intermediate_size=64,
-        mtp_num_layers=2, mtp_use_repeated_layer=True, hybrid_layer_pattern="*E*-/*E/*E",
+        mtp_num_layers=DEPTHS, mtp_use_repeated_layer=True, hybrid_layer_pattern=ZOO_PATTERN,
         moe_token_dispatcher_type="alltoall", moe_router_score_function="sigmoid",
         moe_router_load_balancing_type="seq_aux_loss", moe_grouped_gemm=False,
     )
     layers = facts["layers"]
-    assert layers["decoder"] == ["TransformerLayer", "MoETransformerLayer", "TransformerLayer", "MLPLayer"]
-    assert layers["mtp_layers"] == 1 and layers["mtp_inner"] == ["TransformerLayer", "MoETransformerLayer"]
+    assert layers["decoder"] == [LAYER_CLASSES[symbol] for symbol in MAIN]
+    assert layers["mtp_layers"] == 1 and layers["mtp_inner"] == [LAYER_CLASSES[symbol] for symbol in MTP]
     assert layers["experts"] == "SequentialMLP" and layers["shared_experts"] and layers["local_experts"] == 4
 
 
@@ -301,12 +318,15 @@ def test_bridge_builds_the_zoo_from_a_nemotron_h_config(bridge_tp1):
 def test_zoo_trains_through_megatrons_step(request, name):
     """Adam through Megatron's step moves every parameter (each rank's own experts under EP) and lowers
     the loss; the aux loss is logged per layer."""
-    train = layout_results(request, name)["train"]
+    train = request.getfixturevalue(name)["train"]
     assert train["zero_grad_params"] == ()
     assert all(norm > 0 for norm in train["update_norms"])
     assert train["losses"][1] < train["losses"][0]
     slots = train["aux_slots"]["load_balancing_loss"]
-    assert slots[1] > 0 and slots[0] == slots[2] == slots[3] == 0  # the backbone's MoE layer is layer 2
+    # the backbone's MoE layers' slots (stock logs the MTP block's at its position in the MTP pattern)
+    logged = set(BACKBONE_MOE) | set(MTP_MOE)
+    assert len(slots) == len(MAIN) + DEPTHS
+    assert all((value > 0) == (index in logged) for index, value in enumerate(slots)), slots
 
 
 def check_rows(table, aux_models=("zoo, aux loss", "bridge zoo, aux loss")):
@@ -345,7 +365,7 @@ def check_rows(table, aux_models=("zoo, aux loss", "bridge zoo, aux loss")):
 def test_zoo_rows_equal_the_per_sequence_reference(request, name):
     """The zoo's parity rows at this layout (BSHD, THD padded / unpadded with aux coefficient 0; BSHD
     with the aux loss): see the module docstring."""
-    table = layout_results(request, name)["table"]
+    table = request.getfixturevalue(name)["table"]
     assert check_rows(table) == len(parity.LAYOUTS) + 1
     assert {parallelism for _, _, parallelism in table} == {PARALLELISM[name]}
 
@@ -361,11 +381,22 @@ def test_zoo_rows_under_context_parallelism(tp1):
 
 @pytest.mark.slow
 @needs_bridge
-def test_bridge_zoo_rows(bridge_tp1, tp2_ep2):
+def test_bridge_zoo_rows(bridge_tp1, bridge_tp2_ep2):
     """The Bridge-built zoo (its own router: sigmoid, expert bias, sequence aux loss) at TP1 and
     TP2xEP2+SP: the same relations as the direct zoo."""
     assert check_rows(bridge_tp1["table"]) == len(parity.LAYOUTS) + 1
-    assert check_rows(tp2_ep2[1]["table"]) == len(parity.LAYOUTS) + 1
+    assert check_rows(bridge_tp2_ep2["table"]) == len(parity.LAYOUTS) + 1
+
+
+def test_every_ep_size_holds_the_same_experts(tp1, ep2):
+    """With CPU initialisation a rank that builds only its own experts gets the first experts' weights
+    (and every later layer other draws): EP2 would not be TP1's model. The zoo's experts, built for
+    every rank and sliced (`tiny_hybrid.experts_of_every_rank`), are: its rows above are exact."""
+    reference = next(o for o in tp1["references"] if o.case.model == "zoo" and o.case.layout == "bshd")
+    own_only = ep2["upstream_experts"]
+    assert own_only.lm_loss != pytest.approx(reference.step.lm_loss, rel=LOSS)
+    assert np.abs(own_only.grads["lm"] - reference.step.grads["lm"]).max() > DIFFERS
+    assert max(ep2["table"]["zoo", "bshd", "EP2"]["stock"].compare(reference)[:2]) <= EXACT
 
 
 # ---------------------------------------------------------------- the alltoall stand-ins
@@ -378,7 +409,7 @@ def test_alltoall_stand_ins_equal_the_allgather_dispatcher_and_each_is_needed(re
     gradients, logged aux losses. Without the host stream (token_dispatcher.py:468-469) the
     dispatcher cannot be built; with upstream's maybe_move_tensor_to_cpu (moe_utils.py:1184-1187)
     the split sizes reach gloo's all_to_all_single as tensors."""
-    out = layout_results(request, name)["dispatch"]
+    out = request.getfixturevalue(name)["dispatch"]
     for gathered, exchanged in zip(out["allgather"], out["alltoall"]):
         assert exchanged.lm_loss == pytest.approx(gathered.lm_loss, rel=LOSS)
         assert exchanged.mtp_losses == pytest.approx(gathered.mtp_losses, rel=LOSS)
@@ -422,40 +453,45 @@ def test_host_stand_in_matches_upstream_on_a_device_tensor():
 
 
 def check_aux_doubling(measured):
-    """Stock vs flagged by hand: same losses; the MTP router's aux gradient exactly 2x (mtp_num_layers);
-    the backbone router's differs (the MTP aux loss reaches it through the hidden states); stock logs
-    the MTP aux loss in the backbone MoE layer's slot, the flagged model in slot layer_number + num_layers."""
+    """Stock vs flagged by hand: same losses; each MTP router's aux gradient exactly mtp_num_layers x;
+    the backbone routers' differ (the MTP aux loss reaches them through the hidden states). Logging
+    (router.py:591-592): an MTP MoE layer numbered p in the MTP pattern logs in slot p - 1 on stock
+    (a backbone layer's) and in slot p - 1 + num_layers flagged, the flagged one each application's
+    loss / mtp_num_layers; so stock's slot p - 1 = flagged's + mtp_num_layers x flagged's MTP slot."""
     stock, flagged = measured[False], measured[True]
-    assert stock["flags"] == [False] and flagged["flags"] == [True]
-    assert stock["losses"][0] == flagged["losses"][0] and stock["losses"][1] == flagged["losses"][1]
-    (name, grad), = stock["mtp"].items()
-    reference = flagged["mtp"][name]
-    assert np.linalg.norm(reference) > 0
-    assert np.linalg.norm(grad - 2 * reference) <= 1e-6 * np.linalg.norm(grad)
-    (backbone, grad), = stock["backbone"].items()
-    assert np.abs(grad - flagged["backbone"][backbone]).max() > 0
+    assert stock["flags"] == [False] * len(MTP_MOE) and flagged["flags"] == [True] * len(MTP_MOE)
+    assert stock["losses"] == flagged["losses"]
+    assert stock["mtp"].keys() == flagged["mtp"].keys() and len(stock["mtp"]) == len(MTP_MOE)
+    for name, grad in stock["mtp"].items():
+        reference = flagged["mtp"][name]
+        assert np.linalg.norm(reference) > 0
+        assert np.linalg.norm(grad - DEPTHS * reference) <= 1e-6 * np.linalg.norm(grad), name
+    for name, grad in stock["backbone"].items():
+        assert np.abs(grad - flagged["backbone"][name]).max() > 0, name
     (metric, slots), = stock["slots"].items()
     fixed = flagged["slots"][metric]
-    # pattern *E*-/*E/*E: backbone MoE = layer 2 (slot 1), the MTP MoE layer_number 2 -> slot 1 on stock,
-    # 2 + num_layers (4) = 6 -> slot 5 flagged; flagged logs each application's loss / mtp_num_layers
-    assert len(slots) == len(fixed) == 6
-    assert fixed[1] > 0 and fixed[5] > 0 and slots[5] == 0
-    assert slots[1] == pytest.approx(fixed[1] + 2 * fixed[5], rel=1e-6)
-    return grad
+    assert len(slots) == len(fixed) == len(MAIN) + DEPTHS
+    mtp_slots = {position + len(MAIN): position for position in MTP_MOE}  # flagged slot -> stock slot
+    expected = list(fixed)
+    for flagged_slot, stock_slot in mtp_slots.items():
+        assert fixed[flagged_slot] > 0 and slots[flagged_slot] == 0
+        expected[stock_slot] += DEPTHS * fixed[flagged_slot]
+        expected[flagged_slot] = 0.0
+    assert slots == pytest.approx(expected, rel=1e-6, abs=1e-9)
 
 
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_stock_counts_the_mtp_routers_aux_loss_twice(request, tp1, name):
     """The measurement the MoE-router fix needs, on stock: 2x, and the same gradient at every layout."""
-    check_aux_doubling(layout_results(request, name)["aux"])
-    stock, at_tp1 = layout_results(request, name)["aux"][False]["mtp"], tp1["aux"][False]["mtp"]
+    check_aux_doubling(request.getfixturevalue(name)["aux"])
+    stock, at_tp1 = request.getfixturevalue(name)["aux"][False]["mtp"], tp1["aux"][False]["mtp"]
     for key, grad in at_tp1.items():
         assert np.abs(stock[key] - grad).max() <= EXACT
 
 
 @pytest.mark.slow
 @needs_bridge
-def test_stock_counts_the_bridge_zoos_mtp_router_aux_loss_twice(bridge_tp1, tp2_ep2):
+def test_stock_counts_the_bridge_zoos_mtp_router_aux_loss_twice(bridge_tp1, bridge_tp2_ep2):
     """The same on the Bridge-built zoo (sequence aux loss, sigmoid router with expert bias)."""
     check_aux_doubling(bridge_tp1["bridge_aux"])
-    check_aux_doubling(tp2_ep2[1]["bridge_aux"])
+    check_aux_doubling(bridge_tp2_ep2["bridge_aux"])
