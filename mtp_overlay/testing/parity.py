@@ -54,10 +54,12 @@ NOT_SCATTERING = tuple(model for model in MODELS if model.endswith("scatter=Fals
 MOE_MODELS = tuple(model for model in MODELS if "zoo" in model)
 AUX_LOSS_MODELS = tuple(model for model in MODELS if model.endswith("aux loss"))
 AUX_LOSS_COEFF = 0.1  # the aux-loss rows' MoE load-balancing coefficient: their defect shows well above float noise
-# still-open MTP defects that keep an overlay row off its reference: id -> what is wrong. A row names
-# the ones its model meets (`open_defects`); once a fix for one joins the overlay, drop it here.
+# MTP defects the table's rows meet that no overlay fix covers yet, by the id their fix would take:
+# id -> what is wrong. A defect whose id is a registered megatron-core fix is no longer open
+# (`open_defects`): the overlay rows then must equal their reference.
+MTP_MOE_ROUTER = "mtp-moe-router"
 OPEN_DEFECTS = {
-    "mtp-moe-router": (
+    MTP_MOE_ROUTER: (
         "the MTP block's MoE layers are built without is_mtp_layer (megatron-core 0.17-0.19.x "
         "models/hybrid/hybrid_block.py:183-191; Megatron-LM PR #6748): the repeated MTP layer's "
         "load-balancing loss counts once per depth (x2 here, router.py:575-581) and logs in a backbone slot"
@@ -294,8 +296,10 @@ def reference_key(case):
 
 
 def open_defects(model):
-    """The ids of `OPEN_DEFECTS` that keep ``model``'s overlay rows off their reference."""
-    return ("mtp-moe-router",) if model in AUX_LOSS_MODELS else ()
+    """The ids of `OPEN_DEFECTS` that keep ``model``'s overlay rows off their reference: those its rows
+    meet (the MTP MoE router's with the aux loss on) that no registered fix covers."""
+    met = (MTP_MOE_ROUTER,) if model in AUX_LOSS_MODELS else ()
+    return tuple(defect for defect in met if defect in OPEN_DEFECTS and defect not in megatron_core_fixes())
 
 
 def composition_cases(parallelism):
@@ -438,11 +442,12 @@ def table_rows(references, outcomes):
 
 
 def row_needs(model, layout, parallelism):
-    """The overlay fixes a table row's stock path lacks to equal its reference: mtp-packed-roll on the
-    unpadded flavour (real ``cu_seqlens_q``), mtp-cp-loss-scale under CP, mtp-sp-scatter for a model
-    that does not scatter its embedding under sequence parallelism."""
+    """The fixes a table row's stock path lacks to equal its reference: mtp-packed-roll on the unpadded
+    flavour (real ``cu_seqlens_q``), mtp-cp-loss-scale under CP, mtp-sp-scatter for a model that does
+    not scatter its embedding under sequence parallelism, and the MTP MoE router's (`MTP_MOE_ROUTER`,
+    still open: `open_defects`) with the aux loss on."""
     spec = PARALLELISMS[parallelism]
-    needs = set()
+    needs = {MTP_MOE_ROUTER} if model in AUX_LOSS_MODELS else set()
     if layout == "unpadded":
         needs.add("mtp-packed-roll")
     if spec["cp"] > 1:

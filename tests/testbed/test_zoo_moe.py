@@ -329,36 +329,45 @@ def test_zoo_trains_through_megatrons_step(request, name):
     assert all((value > 0) == (index in logged) for index, value in enumerate(slots)), slots
 
 
-def check_rows(table, aux_models=("zoo, aux loss", "bridge zoo, aux loss")):
-    """Every row: overlay exact unless an open defect is named; stock exact unless a fix is needed."""
-    checked = 0
+def check_rows(table):
+    """Every row, stock and overlay: exact where nothing it needs (`parity.row_needs`) is missing (for
+    the overlay: an open defect, `parity.open_defects`); the open MTP-MoE-router defect alone moves the
+    MTP and the rest's gradients and nothing else (the layout check: TP1 stock on the same batch);
+    any missing fix moves the MTP gradient. Returns the number of rows."""
     for (model, layout, parallelism), row in table.items():
         name = (model, layout, parallelism)
         reference = row["reference"]
-        assert reference.error is None and row["overlay"].error is None, name
-        for variant in ("stock", "overlay"):
+        assert reference.error is None, name
+        needs = parity.row_needs(model, layout, parallelism)
+        for variant, missing in (("stock", needs), ("overlay", set(parity.open_defects(model)))):
             outcome = row[variant]
             assert outcome.error is None, (name, variant, outcome.error)
             assert outcome.step.lm_loss == pytest.approx(reference.step.lm_loss, rel=LOSS), (name, variant)
             max_mtp, max_rest, *_ = outcome.compare(reference)
-            exact = not (parity.row_needs(model, layout, parallelism) if variant == "stock" else ())
-            if model in aux_models:  # the open defect: MTP and backbone grads off by the MTP router's aux loss
-                assert parity.open_defects(model) == ("mtp-moe-router",)
-                assert max_mtp > 10 * EXACT and max_rest > EXACT, (name, variant, max_mtp, max_rest)
-                if exact:  # the layout check: TP1 stock on the same batch
-                    assert max(row["layout_reference"].compare(outcome)[:2]) <= EXACT, (name, variant)
-            elif exact:
+            if not missing:
                 assert max(max_mtp, max_rest) <= EXACT, (name, variant, max_mtp, max_rest)
+                assert outcome.step.mtp_losses == pytest.approx(reference.step.mtp_losses, rel=LOSS), (name, variant)
                 # the tracker counts MTP positions over the data-parallel replicas, each fed the same batch
                 spec = parity.PARALLELISMS[parallelism]
                 replicas = spec["world_size"] // (spec["tp"] * spec["cp"])
                 assert outcome.step.mtp_tokens == tuple(replicas * t for t in reference.step.mtp_tokens), name
+            elif missing == {parity.MTP_MOE_ROUTER}:
+                assert max_mtp > 10 * EXACT and max_rest > EXACT, (name, variant, max_mtp, max_rest)
+                assert outcome.step.mtp_losses == pytest.approx(reference.step.mtp_losses, rel=LOSS), (name, variant)
+                assert max(row["layout_reference"].compare(outcome)[:2]) <= EXACT, (name, variant)
             else:
                 assert max_mtp > DIFFERS, (name, variant, max_mtp)
-            if exact:
-                assert outcome.step.mtp_losses == pytest.approx(reference.step.mtp_losses, rel=LOSS), (name, variant)
-        checked += 1
-    return checked
+    return len(table)
+
+
+def test_table_runs_expert_parallelism_on_the_moe_models_and_the_aux_loss_on_bshd():
+    for parallelism in ("EP2", "TP2xEP2+SP"):
+        assert {case.model for case in parity.table_cases(parallelism, parity.MODELS)} == set(parity.MOE_MODELS)
+    aux = [case for case in parity.table_cases("TP1", parity.MODELS) if case.model in parity.AUX_LOSS_MODELS]
+    assert aux and {case.layout for case in aux} == {"bshd"}
+    assert [case.mtp_moe_flag for case in parity.reference_cases(["zoo, aux loss"])] == [True, False]
+    with pytest.raises(ValueError, match="mtp_moe_flag=True needs a model with MoE layers"):
+        parity.Case("hybrid", "bshd", mtp_moe_flag=True)
 
 
 @pytest.mark.parametrize("name", LAYOUTS)
