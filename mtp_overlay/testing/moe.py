@@ -28,6 +28,7 @@ import dataclasses
 
 from .megatron_step import _language_model
 
+
 def moe_layers(model):
     """``[(name, MoELayer)]`` of every megatron-core MoE layer in ``model``, in module order."""
     from megatron.core.transformer.moe.moe_layer import MoELayer

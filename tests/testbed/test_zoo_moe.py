@@ -23,6 +23,10 @@ layout with every case of it batched:
 * the aux-loss measurement the MoE-router fix needs (``testing.moe``): stock's MTP router gradient
   from the aux loss alone is exactly ``mtp_num_layers`` times the gradient with ``is_mtp_layer`` set
   by hand on the instances, and stock logs the MTP aux loss in the backbone layer's slot.
+
+The rank runs of TP1, EP2 and TP2+SP (shared pools) are the fast subset (~45 s on 2 loaded cores);
+TP2xEP2+SP, CP2 (a fresh pool) and the Bridge-built zoo (Bridge's import) are ``slow`` (the whole
+module ~100 s).
 """
 
 import numpy as np
