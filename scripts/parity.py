@@ -1,6 +1,12 @@
 """Print the parity table: model x layout x parallelism -> LM loss, MTP loss, max |dgrad| vs the reference,
 stock megatron-core and with the overlay's megatron-core fixes on; or (--compose) the composition table.
 
+Models: tiny GPT, tiny HybridModel (and scatter=False), Bridge-built NemotronH, and the zoo model (MoE
+layers, the Super recipe's MTP) built directly and by Bridge, with the MoE aux loss off (per-sequence
+reference) and on (BSHD, against TP1; the notes under the table say which comparisons hold).
+Parallelisms: TP1, CP2, TP2+SP, TP2xCP2+SP, for the MoE models EP2 and TP2xEP2+SP, for the tiny models
+PP2 and TP2xPP2+SP (Megatron's pipelined schedule).
+
 Megatron's own training step (DDP, get_forward_backward_func, finalize_model_grads), RL forward
 (labels=None) with a response-only loss mask, per-token 3-output loss; one rank pool per parallelism
 (mtp_overlay.testing.parity). References: BSHD at TP1; for packed THD rows each sequence alone,
@@ -41,7 +47,11 @@ def main():
         print(parity.composition_markdown(*parity.run_composition(log=log)))
     else:
         models = [model for model in parity.MODELS if bridge or model not in parity.BRIDGE_MODELS]
-        print(parity.markdown(parity.parity_table(models, parallelisms, log=log)))
+        rows = parity.parity_table(models, parallelisms, log=log)
+        print(parity.markdown(rows))
+        notes = parity.notes_markdown(rows)
+        if notes:
+            print("\n" + notes)
         if not bridge:
             print(f"\n(no Megatron-Bridge model: {'--no-bridge' if options.no_bridge else BRIDGE_MISSING})")
     print(f"\noverlay: {', '.join(parity.megatron_core_fixes())}; {time.perf_counter() - started:.0f} s "

@@ -22,7 +22,8 @@ Usage (``fn`` must be a module-level function, its arguments and return value pi
         sequence_parallel=True, scatter_embedding_sequence_parallel=False))
     assert "Sizes of tensors must match" in results[0].error
 
-* ``RankPool(world_size, *, tp=1, cp=1, pp=1, seed=1234, device="cpu", log=None)``: ranks started once,
+* ``RankPool(world_size, *, tp=1, cp=1, pp=1, ep=1, etp=None, seed=1234, device="cpu", log=None)``: ranks
+  started once (``ep``, ``etp``: expert model / expert tensor parallel sizes; ``etp=None`` is ``tp``),
   ``.run(fn, *, args=(), kwargs=None, fixes=None, timeout=300) -> list[RankResult]`` (rank, value,
   error) as many times as wanted (a failed run restarts the ranks); ``fixes``: None installs what
   ``import mtp_overlay`` installs, a list exactly those fixes, ``[]`` none; ``log``: a file for the
@@ -33,8 +34,14 @@ Usage (``fn`` must be a module-level function, its arguments and return value pi
   **config_overrides)``: GPTModel, local spec, RoPE, identical full weights at any TP/CP.
 * ``tiny_hybrid.build_tiny_hybrid(*, seed, hybrid_layer_pattern="*-*-/*-", sequence_parallel,
   scatter_embedding_sequence_parallel, ...)``: HybridModel from local modules (attention '*', MLP
-  '-', Mamba 'M', MTP depths after '/', pipeline stages between '|'); the default pattern holds
-  build_tiny_gpt()'s parameters in order.
+  '-', MoE 'E' with megatron-core's MoELayer and SequentialMLP experts, Mamba 'M', MTP depths after
+  '/', pipeline stages between '|'); the default pattern holds build_tiny_gpt()'s parameters in order.
+  ``build_zoo(**overrides)``: pattern ``ZOO_PATTERN`` with the Super recipe's repeated MTP layer; 4
+  experts, top-2, aux loss, alltoall (or allgather) dispatcher; the same weights at every TP / EP size.
+* ``moe``: the MTP block's MoE layers (``mtp_moe_layers``), ``is_mtp_layer`` set by hand on them
+  (``flag_mtp_moe_layers``, the reference semantics), the aux loss's gradient alone and the logged
+  per-layer aux losses through Megatron's step (``aux_loss_gradients``: ``MegatronStep.step(...,
+  aux_loss_only=True)``).
 * ``pipeline``: under PP (``pp=2``) both tiny builders give this rank's stage holding the PP1 model's
   weights (``build_stage``: built at PP1, loaded by global parameter name), ``global_names``,
   ``stage_keys`` (what a stage's forward gets), ``gather_stages`` (every stage's tensors, by name).
@@ -69,7 +76,8 @@ Usage (``fn`` must be a module-level function, its arguments and return value pi
   "nemo-rl", labels=True|False, mtp_grad_scale=None|x|"global-valid-tokens", update=True)`` ->
   ``MegatronStepResult``: lm_loss, logged mtp_losses / mtp_acceptance, mtp_tokens, ``grads``
   ({"mtp", "lm"}: flat TP-gathered numpy arrays, ``relative_error(reference, part)``), grad norms,
-  update_norm. ``tiny_gpt.train_step`` is its hand-written imitation; both agree at TP1. A microbatch
+  update_norm, MoE ``moe_metrics`` / ``router_grads``; expert-parallel gradients gathered into the
+  EP1 order. ``tiny_gpt.train_step`` is its hand-written imitation; both agree at TP1. A microbatch
   may be a packed THD row (``PackedRow.microbatch``: [1, T] tensors plus ``packed_seq_params``, CP-sharded
   per sequence); ``PackedRow.reference_microbatch`` holds each sequence alone (BSHD) for the reference;
   ``mtp_mask="scoped"`` routes the RL MTP mask through ``mtp_overlay.mtp.loss_mask_scope``. A
@@ -79,8 +87,9 @@ Usage (``fn`` must be a module-level function, its arguments and return value pi
   (activations over gloo point-to-point; packed rows of different lengths with
   ``config.variable_seq_lengths``), the losses come from the last stage and the gradients from every
   stage, under the PP1 names.
-* ``parity``: Megatron's step on model x layout (BSHD, THD padded / unpadded) x parallelism, stock and
-  with every megatron-core fix (``parity_table`` / ``markdown``: ``scripts/parity.py``), and the
+* ``parity``: Megatron's step on model x layout (BSHD, THD padded / unpadded) x parallelism (TP1, CP2,
+  TP2+SP, TP2xCP2+SP, EP2, TP2xEP2+SP, PP2, TP2xPP2+SP), stock and with every megatron-core fix, the zoo
+  models included (``parity_table`` / ``markdown``: ``scripts/parity.py``), and the
   composition cases of the real path (``composition_cases``, ``expected_outcome``: which fixes a path
   needs; ``scripts/parity.py --compose``).
 * ``reproducers.reproduce(fix_id) -> (bug_shows, evidence)``: a fix's stock path with the fix off
@@ -88,7 +97,8 @@ Usage (``fn`` must be a module-level function, its arguments and return value pi
 * ``demo``: the main job (``mtp-overlay demo``); ``patch_images``: what ``scripts/measure_patches.py``
   and the tests measure for the patch manifest.
 * ``bridge``: models built through Megatron-Bridge 0.6 providers (``AutoBridge.from_hf_config`` of
-  tiny local Qwen3 / NemotronH configs); importable without Bridge (``bridge_installed()``).
+  tiny local Qwen3 / NemotronH configs, and a NemotronH config with the zoo's MoE layers and MTP);
+  importable without Bridge (``bridge_installed()``).
 * ``bridge_step``: Bridge's own ``gpt_step.forward_step`` through ``MegatronStep.run`` (``run_bridge_step``,
   ``step_state``: what it reads of Bridge's GlobalState), and the three Bridge MTP defects as cases a
   fix's test calls with the fix off or on: ``sft_mtp_cases`` (positions trained vs allowed, and a
@@ -98,10 +108,11 @@ Usage (``fn`` must be a module-level function, its arguments and return value pi
   and the CLI path's), ``vllm_drafter`` (real MTP drafter modules), ``streams`` (CUDA-stream and
   communicator stand-ins for the weight-transfer producer).
 * ``cpu_shims``: the CPU stand-ins (HybridStack's TE final norm, TE's CP and THD attention, DDP's
-  stream, the schedule's CUDA tensors, the pipeline's synchronize and embedding-copy ``.cuda()``,
-  Bridge's TE import, Mamba's kernels), installed by the launcher on CPU; test scaffolding only,
-  ``cpu_shims()`` context manager or ``install()`` / ``uninstall()``; LLaVAModel's construction
-  stand-ins (``llava_construction_stand_ins``) and Bridge's Omni specs are scoped.
+  stream, the schedule's CUDA tensors, the alltoall MoE dispatcher's stream and split sizes, the
+  pipeline's synchronize and embedding-copy ``.cuda()``, Bridge's TE import, Mamba's kernels), installed
+  by the launcher on CPU; test scaffolding only, ``cpu_shims()`` context manager or ``install()`` /
+  ``uninstall()``; LLaVAModel's construction stand-ins (``llava_construction_stand_ins``) and Bridge's
+  Omni specs are scoped.
 * ``releases``: other upstream releases side by side (``release_site``, ``copy_installed``,
   ``link_installed``, ``run_with_release``, ``record_sha256``); ``remote_code``: a tiny
   trust_remote_code model and its Ray round trip.

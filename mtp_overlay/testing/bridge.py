@@ -11,8 +11,16 @@ Kinds:
 * ``"nemotron_h"``: ``NemotronHConfig`` -> ``NemotronHBridge`` -> ``HybridModelProvider`` ->
   ``HybridModel``, pattern ``"*-*-"`` with MTP pattern ``"*-"`` (attention and MLP layers only: Mamba
   layers need the mamba_ssm kernels).
+* ``"nemotron_h_zoo"``: the same path for the zoo model's layers (``tiny_hybrid.ZOO_PATTERN``): MoE
+  ('E') layers through the HF keys ``n_routed_experts`` (4), ``num_experts_per_tok`` (2),
+  ``moe_intermediate_size`` and one shared expert (``n_shared_experts``,
+  ``moe_shared_expert_intermediate_size``), and the Super recipe's MTP: MTP pattern ``"*E"`` at 2
+  depths, ``mtp_use_repeated_layer`` (NemotronHBridge's default). The router is NemotronHBridge's
+  (``provider_bridge``: sigmoid scores, expert bias, ``seq_aux_loss``, fp32 routing, alltoall
+  dispatcher); without TE its grouped GEMM, permute fusion and shared-expert overlap (CUDA streams)
+  are off, so the experts are megatron-core's SequentialMLP (``tiny_hybrid.experts_of_every_rank``).
 
-Both carry MTP through the HF key ``num_nextn_predict_layers`` (Bridge maps it to ``mtp_num_layers``).
+All carry MTP through the HF key ``num_nextn_predict_layers`` (Bridge maps it to ``mtp_num_layers``).
 
 ``scatter_embedding_sequence_parallel=False`` is the setting of Bridge's multimodal models, whose
 outer forward scatters the embeddings (Nemotron VL / Omni: ``NemotronVLModelProvider`` declares the
@@ -37,9 +45,13 @@ import dataclasses
 import functools
 import importlib.util
 
-from .tiny_hybrid import local_hybrid_stack_spec
+from .tiny_hybrid import ZOO_PATTERN, local_hybrid_stack_spec
 
-KINDS = ("qwen3", "nemotron_h")
+KINDS = ("qwen3", "nemotron_h")  # dense: the kinds `Case` / `run_cases` train (tiny_gpt.train_step)
+MOE_KINDS = ("nemotron_h_zoo",)  # MoE: trained through megatron_step.MegatronStep (expert-parallel grads)
+BUILDABLE = KINDS + MOE_KINDS
+# MTP depths when not asked for: one, or the zoo pattern's ("*E" at 2 depths, one repeated layer)
+MTP_LAYERS = {"qwen3": 1, "nemotron_h": 1, "nemotron_h_zoo": ZOO_PATTERN.count("/")}
 BRIDGE_MISSING = "megatron-bridge is not installed (scripts/setup.sh installs megatron-bridge 0.6.2 --no-deps)"
 MTP_SCATTER_FIX = "mtp-sp-scatter"
 # a fixed case's MTP loss under CP equals TP1's only with the CP loss scale fixed too
@@ -63,8 +75,13 @@ def import_bridge():
     return megatron.bridge
 
 
-def tiny_hf_config(kind, *, mtp_num_layers=1, vocab_size=128, hidden_size=64, max_position_embeddings=64):
-    """A tiny Hugging Face config of ``kind`` (see KINDS) with ``mtp_num_layers`` MTP layers."""
+def tiny_hf_config(kind, *, mtp_num_layers=None, vocab_size=128, hidden_size=64, max_position_embeddings=64):
+    """A tiny Hugging Face config of ``kind`` (one of BUILDABLE) with ``mtp_num_layers`` MTP layers
+    (None: the kind's, `MTP_LAYERS`)."""
+    if kind not in BUILDABLE:
+        raise ValueError(f"kind must be one of {BUILDABLE}, got {kind!r}")
+    if mtp_num_layers is None:
+        mtp_num_layers = MTP_LAYERS[kind]
     if kind == "qwen3":
         from transformers import Qwen3Config
 
@@ -81,26 +98,36 @@ def tiny_hf_config(kind, *, mtp_num_layers=1, vocab_size=128, hidden_size=64, ma
             tie_word_embeddings=False,
             num_nextn_predict_layers=mtp_num_layers,
         )
+    from transformers import NemotronHConfig
+
+    common = dict(
+        architectures=["NemotronHForCausalLM"],
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=hidden_size // 4,
+        max_position_embeddings=max_position_embeddings,
+        num_nextn_predict_layers=mtp_num_layers,
+    )
     if kind == "nemotron_h":
-        from transformers import NemotronHConfig
-
-        return NemotronHConfig(
-            architectures=["NemotronHForCausalLM"],
-            vocab_size=vocab_size,
-            hidden_size=hidden_size,
-            intermediate_size=2 * hidden_size,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=hidden_size // 4,
-            max_position_embeddings=max_position_embeddings,
-            hybrid_override_pattern="*-*-",
-            mtp_hybrid_override_pattern="*-",
-            num_nextn_predict_layers=mtp_num_layers,
-        )
-    raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+        return NemotronHConfig(**common, hybrid_override_pattern="*-*-", mtp_hybrid_override_pattern="*-")
+    main, mtp = ZOO_PATTERN.split("/")[:2]
+    return NemotronHConfig(
+        **common,
+        hybrid_override_pattern=main,
+        mtp_hybrid_override_pattern=mtp,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=2 * hidden_size,
+        n_shared_experts=1,
+        moe_shared_expert_intermediate_size=hidden_size,
+        mtp_use_repeated_layer=True,
+    )
 
 
-def bridge_provider(kind, *, mtp_num_layers=1, **config_kwargs):
+def bridge_provider(kind, *, mtp_num_layers=None, **config_kwargs):
     """The provider Bridge makes of ``tiny_hf_config(kind, ...)``, offline, weights not loaded."""
     import_bridge()
     from megatron.bridge import AutoBridge
@@ -110,16 +137,17 @@ def bridge_provider(kind, *, mtp_num_layers=1, **config_kwargs):
 
 
 def build_bridge_model(
-    kind, *, seed=1234, mtp_num_layers=1, sequence_parallel=False, scatter_embedding_sequence_parallel=True,
+    kind, *, seed=1234, mtp_num_layers=None, sequence_parallel=False, scatter_embedding_sequence_parallel=True,
     recipe=None,
 ):
     """The megatron-core model Bridge's provider builds for ``kind``, for this rank.
 
-    Call inside ``run_ranks`` workers: TP and CP sizes come from ``parallel_state``. fp32, no dropout.
-    ``scatter_embedding_sequence_parallel=False`` builds a model whose embedding does not scatter to
-    the sequence-parallel region (the multimodal setting, see the module docstring). ``recipe``:
-    provider fields a training recipe sets after the HF import (``{"mtp_num_layers": 0}``), applied
-    with the test bed's own overrides before ``finalize()``. The model's ``config`` is the provider.
+    Call inside ``run_ranks`` workers: TP, CP (and for MoE kinds expert) parallel sizes come from
+    ``parallel_state``. fp32, no dropout. ``scatter_embedding_sequence_parallel=False`` builds a model
+    whose embedding does not scatter to the sequence-parallel region (the multimodal setting, see the
+    module docstring). ``recipe``: provider fields a training recipe sets after the HF import
+    (``{"mtp_num_layers": 0}``, ``{"moe_aux_loss_coeff": 0.0}``), applied with the test bed's own
+    overrides before ``finalize()``. The model's ``config`` is the provider.
     """
     import torch
     from megatron.core import parallel_state
@@ -141,6 +169,11 @@ def build_bridge_model(
         hidden_dropout=0.0,
         attention_dropout=0.0,
     )
+    if kind in MOE_KINDS:
+        overrides.update(
+            expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
+            expert_tensor_parallel_size=parallel_state.get_expert_tensor_parallel_world_size(),
+        )
     if not scatter_embedding_sequence_parallel:
         if kind == "nemotron_h":
             provider = _with_scatter_option(provider)
@@ -175,6 +208,8 @@ def _local_overrides(provider):
         "gradient_accumulation_fusion",
         "persist_layer_norm",
         "moe_permute_fusion",
+        "moe_grouped_gemm",  # TE's grouped linear: megatron-core's SequentialMLP instead
+        "moe_shared_expert_overlap",  # a CUDA side stream
     )
     overrides = {name: False for name in fusions}
     overrides["attention_backend"] = AttnBackend.local

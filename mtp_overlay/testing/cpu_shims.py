@@ -37,6 +37,24 @@ chunked scan, with per-sequence resets from ``seq_idx``), ``mamba_chunk_scan_com
 path's scan), the gated ``RMSNormGated``; plus the version answers a packed step asks for and, for
 packed rows under CP, TE's ``thd_get_partitioned_indices``. No module is faked in ``sys.modules``.
 
+MoE's alltoall token dispatcher (megatron-core 0.19.2 ``transformer/moe/token_dispatcher.py``; the
+allgather dispatcher needs none of these):
+
+* ``MoEAlltoAllTokenDispatcher.__init__`` creates the class attribute ``cuda_dtoh_stream`` with
+  ``torch.cuda.Stream()`` when it is None (``token_dispatcher.py:468-469``): it is set beforehand to a
+  host stream whose ``wait_stream`` and ``record_event().synchronize()`` do nothing (CPU copies are
+  synchronous).
+* ``_maybe_dtoh_and_synchronize`` enters ``torch.cuda.stream(self.cuda_dtoh_stream)``
+  (``token_dispatcher.py:925``): no stand-in, torch's ``StreamContext`` already does nothing where
+  no CUDA device is available (torch 2.14 ``torch/cuda/__init__.py``, ``StreamContext.__enter__``
+  returns at device index -1).
+* It then moves the all-to-all split sizes to the host with
+  ``maybe_move_tensor_to_cpu(..., as_numpy=True)``, which converts CUDA tensors only
+  (``moe_utils.py:1184-1187``): a split tensor already on the host stays a tensor, and gloo's
+  ``all_to_all_single`` refuses tensors as split sizes (TypeError). The dispatcher's name for it
+  (``token_dispatcher.maybe_move_tensor_to_cpu``) converts host tensors too, as upstream converts
+  device ones; every other call is upstream's function.
+
 Megatron-Bridge 0.6 on a machine without Transformer Engine (scoped, used by ``testing.bridge``):
 
 * ``transformer_engine_import_stand_in()``: ``megatron/bridge/peft/lora_layers.py`` imports
@@ -125,6 +143,15 @@ def uninstall():
         setattr(owner, attribute, original)
 
 
+def original(owner, attribute):
+    """The upstream object an installed shim replaced at ``owner.attribute`` (KeyError if none did):
+    what a test puts back (`swapped`) to show that a stand-in is needed."""
+    for saved_owner, saved_attribute, value in _saved:
+        if saved_owner is owner and saved_attribute == attribute:
+            return value
+    raise KeyError(f"no installed CPU shim replaces {getattr(owner, '__name__', owner)}.{attribute}")
+
+
 @contextlib.contextmanager
 def cpu_shims():
     """``with cpu_shims(): ...`` runs the block with the shims installed, restoring them after."""
@@ -197,11 +224,12 @@ def shims():
         torch.set_rng_state(new_state)
 
     hybrid = [Shim(module, "TENorm", torch_norm.WrappedTorchNorm) for module in _hybrid_block()]
+    moe = _alltoall_dispatcher_shims()
     main = [
         Shim(module, "is_inference_column_parallel_linear", _is_inference_column_parallel_linear)
         for module in _having("megatron.core.transformer.multi_token_prediction", "is_inference_column_parallel_linear")
     ]
-    return hybrid + main + mamba_shims() + [
+    return hybrid + main + moe + mamba_shims() + [
         Shim(torch.cuda, "current_device", _cpu_device),
         Shim(random, "_get_cuda_rng_state", get_rng_state),
         Shim(random, "_set_cuda_rng_state", set_rng_state),
@@ -223,6 +251,35 @@ def shims():
         Shim(LanguageModule, "setup_embeddings_and_output_layer",
              _cuda_keeps_tensors_in_place(vars(LanguageModule)["setup_embeddings_and_output_layer"])),
     ]
+
+
+def _alltoall_dispatcher_shims():
+    """The two stand-ins of MoE's alltoall dispatcher (module docstring), or [] on releases whose
+    dispatcher lacks the attributes they replace."""
+    dispatcher = _having("megatron.core.transformer.moe.token_dispatcher", "maybe_move_tensor_to_cpu")
+    if not dispatcher or "cuda_dtoh_stream" not in vars(dispatcher[0].MoEAlltoAllTokenDispatcher):
+        return []
+    module = dispatcher[0]
+    return [
+        Shim(module.MoEAlltoAllTokenDispatcher, "cuda_dtoh_stream", _CpuStream()),
+        Shim(module, "maybe_move_tensor_to_cpu", functools.partial(_to_host, module.maybe_move_tensor_to_cpu)),
+    ]
+
+
+def _to_host(upstream, tensor, as_numpy=False, record_stream=False):
+    """``moe_utils.maybe_move_tensor_to_cpu`` where tensors already live on the host.
+
+    Upstream (``moe_utils.py:1184-1187``) converts a CUDA tensor to a host tensor, or with
+    ``as_numpy=True`` to its numpy array, and returns anything else as it is. On a CPU the split
+    sizes of the alltoall dispatcher are host tensors from the start, so a host tensor asked for
+    ``as_numpy`` becomes its numpy array here, as a device tensor would upstream; everything else is
+    ``upstream``'s call.
+    """
+    import torch
+
+    if as_numpy and torch.is_tensor(tensor) and tensor.device.type == "cpu":
+        return tensor.numpy()
+    return upstream(tensor, as_numpy=as_numpy, record_stream=record_stream)
 
 
 def _hybrid_block():
@@ -278,6 +335,25 @@ class _CpuStream:
 
     def synchronize(self):
         pass
+
+    def record_event(self, event=None):
+        return _CpuEvent()
+
+
+class _CpuEvent:
+    """An event recorded on a `_CpuStream`: already complete."""
+
+    def record(self, stream=None):
+        pass
+
+    def wait(self, stream=None):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
 
 
 def _cpu_stream(device=None):

@@ -2,14 +2,14 @@
 
 A `RankPool` starts ``world_size`` processes once (forked from `preloaded`'s server, prepared as
 spawned ones); each joins a process group on 127.0.0.1 (gloo on CPU, nccl on CUDA) and calls
-``parallel_state.initialize_model_parallel(tp, pp, cp)``. Every ``pool.run(fn)`` then installs the
-asked-for fixes in the ranks, seeds every generator (torch, Python, Megatron's model-parallel RNG
-tracker) and runs ``fn(*args, **kwargs)`` on every rank: the cost of starting ranks and importing
-torch and megatron-core is paid once per pool, not per case. `run_ranks` is a pool used for one
-call. On CPU the shims of ``cpu_shims`` are installed in the ranks. A rank that crashes or hangs
-never hangs the caller: each run is bounded by ``timeout``; once one rank failed, the others get
-``FAILURE_GRACE_S`` before they are killed, and a pool whose run failed starts fresh ranks for its
-next run.
+``parallel_state.initialize_model_parallel`` with the pool's tensor, context, pipeline and expert
+parallel sizes. Every ``pool.run(fn)`` then installs the asked-for fixes in the ranks, seeds every
+generator (torch, Python, Megatron's model-parallel RNG tracker) and runs ``fn(*args, **kwargs)`` on
+every rank: the cost of starting ranks and importing torch and megatron-core is paid once per pool,
+not per case. `run_ranks` is a pool used for one call. On CPU the shims of ``cpu_shims`` are
+installed in the ranks. A rank that crashes or hangs never hangs the caller: each run is bounded by
+``timeout``; once one rank failed, the others get ``FAILURE_GRACE_S`` before they are killed, and a
+pool whose run failed starts fresh ranks for its next run.
 
 ``fn`` and its arguments must be picklable (a module-level function), as must its return value.
 """
@@ -63,16 +63,19 @@ class RankPool:
     """``world_size`` ranks with TP/CP/PP set up, reused by every `run`; spawned at the first one.
 
     tp, cp, pp: tensor / context / pipeline parallel sizes (``world_size`` must be a multiple of
-    ``tp * cp * pp``; the rest is data parallel). seed: seeds torch, ``random`` and Megatron's RNG
-    tracker identically on every rank before each run. device: "cpu" (gloo + CPU shims) or "cuda"
-    (nccl, no shims, one GPU per rank). log: a file the ranks' stdout and stderr go to (appended),
-    or None to inherit ours. Use it as a context manager, or call `close`.
+    ``tp * cp * pp``; the rest is data parallel). ep, etp: expert model / expert tensor parallel sizes
+    of MoE layers (``etp=None``: megatron-core's default, ``tp``; ``world_size`` must be a multiple of
+    ``etp * ep``; TP2 x EP2 on 2 ranks, as Nemotron 3 Super trains, is ``tp=2, ep=2, etp=1``). seed:
+    seeds torch, ``random`` and Megatron's RNG tracker identically on every rank before each run.
+    device: "cpu" (gloo + CPU shims) or "cuda" (nccl, no shims, one GPU per rank). log: a file the
+    ranks' stdout and stderr go to (appended), or None to inherit ours. Use it as a context manager,
+    or call `close`.
     """
 
-    def __init__(self, world_size, *, tp=1, cp=1, pp=1, seed=1234, device="cpu", log=None):
-        _check_layout(world_size, tp, cp, pp, device)
+    def __init__(self, world_size, *, tp=1, cp=1, pp=1, ep=1, etp=None, seed=1234, device="cpu", log=None):
+        _check_layout(world_size, tp, cp, device, pp, ep, etp)
         self.world_size, self.tp, self.cp, self.seed, self.device = world_size, tp, cp, seed, device
-        self.pp = pp
+        self.pp, self.ep, self.etp = pp, ep, etp
         self.log = None if log is None else os.fspath(log)
         self._processes, self._connections = {}, {}
 
@@ -128,7 +131,7 @@ class RankPool:
         for rank in range(self.world_size):
             ours, theirs = context.Pipe(duplex=True)
             setup = dict(rank=rank, world_size=self.world_size, port=port, seed=self.seed, environ=dict(os.environ))
-            setup.update(tp=self.tp, cp=self.cp, pp=self.pp, device=self.device, log=self.log)
+            setup.update(tp=self.tp, cp=self.cp, pp=self.pp, ep=self.ep, etp=self.etp, device=self.device, log=self.log)
             self._processes[rank] = context.Process(target=_worker, args=(setup, theirs), daemon=True)
             self._connections[rank] = ours
             try:
@@ -137,16 +140,17 @@ class RankPool:
                 theirs.close()  # the child holds the only other end: EOF means it died
 
 
-def run_ranks(fn, world_size, *, tp=1, cp=1, pp=1, args=(), kwargs=None, fixes=None, timeout=300, seed=1234,
-              device="cpu", log=None, fresh=False):
+def run_ranks(fn, world_size, *, tp=1, cp=1, pp=1, ep=1, etp=None, args=(), kwargs=None, fixes=None, timeout=300,
+              seed=1234, device="cpu", log=None, fresh=False):
     """``fn(*args, **kwargs)`` on ``world_size`` ranks: fresh ones (a `RankPool` for one run), or,
     with ``MTP_OVERLAY_SHARED_RANKS=1`` and not ``fresh``, the shared pool of this layout and sys.path."""
     options = dict(args=args, kwargs=kwargs, fixes=fixes, timeout=timeout)
+    layout = dict(tp=tp, cp=cp, pp=pp, ep=ep, etp=etp, seed=seed, device=device, log=log)
     if fresh or os.environ.get(SHARED_RANKS) != "1":
-        with RankPool(world_size, tp=tp, cp=cp, pp=pp, seed=seed, device=device, log=log) as pool:
+        with RankPool(world_size, **layout) as pool:
             return pool.run(fn, **options)
-    key = (world_size, tp, cp, pp, seed, device, log, tuple(sys.path))
-    pool = _shared.pop(key, None) or RankPool(world_size, tp=tp, cp=cp, pp=pp, seed=seed, device=device, log=log)
+    key = (world_size, tp, cp, pp, ep, etp, seed, device, log, tuple(sys.path))
+    pool = _shared.pop(key, None) or RankPool(world_size, **layout)
     _shared[key] = pool  # the most recently used last
     while len(_shared) > SHARED_POOLS:
         _shared.popitem(last=False)[1].close()
@@ -170,12 +174,21 @@ def _values(results):
     return [result.value for result in results]
 
 
-def _check_layout(world_size, tp, cp, pp, device):
-    for name, value in (("world_size", world_size), ("tp", tp), ("cp", cp), ("pp", pp)):
+def _check_layout(world_size, tp, cp, device, pp=1, ep=1, etp=None):
+    sizes = [("world_size", world_size), ("tp", tp), ("cp", cp), ("pp", pp), ("ep", ep)]
+    sizes += [("etp", etp)] if etp is not None else []
+    for name, value in sizes:
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
+            alternative = " (or None: tp)" if name == "etp" else ""
+            raise ValueError(f"{name} must be a positive int, got {value!r}{alternative}")
     if world_size % (tp * cp * pp):
         raise ValueError(f"world_size ({world_size}) must be a multiple of tp * cp * pp ({tp} * {cp} * {pp})")
+    expert_tp = tp if etp is None else etp
+    if world_size % (expert_tp * ep):
+        raise ValueError(
+            f"world_size ({world_size}) must be a multiple of etp * ep ({expert_tp} * {ep}; etp defaults to tp): "
+            "megatron-core lays the experts' tensor x expert parallel grid over the same ranks"
+        )
     if device not in DEVICES:
         raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
     if device == "cuda":
@@ -279,7 +292,6 @@ class _RankContext:
 
         import torch
         import torch.distributed as dist
-        from megatron.core import parallel_state
 
         self.setup = setup
         torch.set_num_threads(1)
@@ -299,11 +311,7 @@ class _RankContext:
             world_size=setup["world_size"],
             timeout=datetime.timedelta(seconds=120),
         )
-        parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=setup["tp"],
-            pipeline_model_parallel_size=setup["pp"],
-            context_parallel_size=setup["cp"],
-        )
+        _initialize_model_parallel(setup)
 
     def run(self, fn, args, kwargs, fixes):
         import random
@@ -318,16 +326,10 @@ class _RankContext:
         os.environ.clear()
         os.environ.update(self.setup["environ"])
         os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(self.setup["port"])
-        layout = (self.setup["tp"], self.setup["cp"], self.setup["pp"])
-        if not parallel_state.model_parallel_is_initialized() or layout != (
-            parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_context_parallel_world_size(),
-            parallel_state.get_pipeline_model_parallel_world_size(),
-        ):  # an earlier run changed the layout: back to the pool's
+        if not parallel_state.model_parallel_is_initialized() or _layout(self.setup) != _current_layout():
+            # an earlier run changed the layout: back to the pool's
             parallel_state.destroy_model_parallel()
-            parallel_state.initialize_model_parallel(
-                tensor_model_parallel_size=layout[0], pipeline_model_parallel_size=layout[2],
-                context_parallel_size=layout[1],
-            )
+            _initialize_model_parallel(self.setup)
 
         mtp_overlay.uninstall()
         if fixes is None:
@@ -346,3 +348,33 @@ class _RankContext:
 
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
+
+
+def _layout(setup):
+    """(tp, cp, pp, ep, etp) of a rank's setup, etp resolved (None: tp)."""
+    return setup["tp"], setup["cp"], setup["pp"], setup["ep"], setup["tp"] if setup["etp"] is None else setup["etp"]
+
+
+def _current_layout():
+    from megatron.core import parallel_state
+
+    return (
+        parallel_state.get_tensor_model_parallel_world_size(),
+        parallel_state.get_context_parallel_world_size(),
+        parallel_state.get_pipeline_model_parallel_world_size(),
+        parallel_state.get_expert_model_parallel_world_size(),
+        parallel_state.get_expert_tensor_parallel_world_size(),
+    )
+
+
+def _initialize_model_parallel(setup):
+    from megatron.core import parallel_state
+
+    tp, cp, pp, ep, etp = _layout(setup)
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        context_parallel_size=cp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
+    )

@@ -56,6 +56,7 @@ import contextlib
 import dataclasses
 import functools
 import math
+import re
 
 LOSS_SHAPES = ("2-output", "3-output", "nemo-rl")
 OPTIMIZERS = ("megatron", None)
@@ -85,6 +86,9 @@ class MegatronStepResult:
     grad_norm, group_grad_norms: L2 norms of those gradients, whole model and per top-level module.
     zero_grad_params: parameters whose gradient is all zero.
     update_norm: L2 norm of the optimizer's weight update (None without an optimizer step).
+    moe_metrics: per MoE metric (``"load_balancing_loss"``, ...), megatron-core's per-layer logged
+      values of the step (`moe.logged_moe_metrics`); empty without MoE layers.
+    router_grads: every MoE router weight's finalized gradient (`moe.router_gradients`), by name.
     """
 
     lm_loss: float
@@ -97,6 +101,8 @@ class MegatronStepResult:
     group_grad_norms: dict
     zero_grad_params: tuple
     update_norm: float | None
+    moe_metrics: dict = dataclasses.field(default_factory=dict)
+    router_grads: dict = dataclasses.field(default_factory=dict)
 
     @property
     def mtp_loss(self):
@@ -152,7 +158,7 @@ class MegatronStep:
             self.optimizer = get_megatron_optimizer(settings, [self.model])
 
     def step(self, microbatches, *, loss="3-output", labels=True, mtp_grad_scale=None, update=True,
-             mtp_mask="explicit"):
+             mtp_mask="explicit", aux_loss_only=False):
         """One training step over ``microbatches``; returns a MegatronStepResult.
 
         microbatches: this data-parallel rank's microbatches, each a dict of full-length [mbs, seq]
@@ -175,6 +181,10 @@ class MegatronStep:
         mtp_mask: how ``mtp_loss_mask`` reaches the model: "explicit" (as its ``loss_mask``) or
           "scoped" (``mtp_overlay.mtp.loss_mask_scope`` around the forward, no ``loss_mask``: the
           route of fix mtp-loss-mask; stock megatron-core ignores the scope).
+        aux_loss_only: only the MoE auxiliary losses train: the loss function's loss is multiplied by
+          0 and the MTP loss scale is 0 (``config.mtp_grad_scale_func``), so the one gradient left
+          is what ``MoEAuxLossAutoScaler`` injects, at the schedule's own MoE loss scale; the
+          reported losses are the step's as usual. Needs a model with MoE layers.
         """
         import torch
         from megatron.core import parallel_state
@@ -186,6 +196,12 @@ class MegatronStep:
         staged = pipeline.size() > 1
         check_step_arguments(microbatches, loss, labels, mtp_grad_scale, per_token, update, self.optimizer, mtp_mask,
                              variable_shapes=not staged or bool(self.config.variable_seq_lengths))
+        experts = getattr(self.config, "num_moe_experts", None)
+        if aux_loss_only and (not experts or mtp_grad_scale is not None):
+            raise ValueError(
+                "aux_loss_only=True needs a model with MoE layers (config.num_moe_experts) and mtp_grad_scale=None "
+                f"(it sets the MTP loss scale to 0), got num_moe_experts={experts!r}, mtp_grad_scale={mtp_grad_scale!r}"
+            )
         cp_group = parallel_state.get_context_parallel_group()
         dp_group = parallel_state.get_data_parallel_group()
         device = next(self.model.parameters()).device
@@ -202,6 +218,8 @@ class MegatronStep:
                 nemo_rl_loss, valid_tokens, len(microbatches), torch.distributed.get_world_size(cp_group)
             ),
         }[loss]
+        if aux_loss_only:
+            loss_function = functools.partial(_zero_loss, loss_function)
         language_model = self.language_model
         last_stage = pipeline.stage()["post_process"]
         uses = pipeline.stage_keys(language_model) | {PACKED, IMAGES}  # a multimodal model is never staged
@@ -252,9 +270,11 @@ class MegatronStep:
         slices_cp = mtp.model_slices_context_parallel(self.model)
         prepared = [(*_prepare(batch, device, slices_cp), tuple(batch["input_ids"].shape)) for batch in microbatches]
         previous_scale = self.config.mtp_grad_scale_func
-        if mtp_grad_scale is not None:
-            scale = 1.0 / valid_tokens if mtp_grad_scale == GLOBAL_VALID_TOKENS else float(mtp_grad_scale)
-            self.config.mtp_grad_scale_func = lambda: scale
+        scale = 0.0 if aux_loss_only else mtp_grad_scale
+        if scale == GLOBAL_VALID_TOKENS:
+            scale = 1.0 / valid_tokens
+        if scale is not None:
+            self.config.mtp_grad_scale_func = lambda: float(scale)
         try:
             return self.run(forward_step, iter(prepared), num_microbatches=len(prepared),
                             seq_length=microbatches[0]["input_ids"].shape[1],
@@ -284,7 +304,7 @@ class MegatronStep:
         from megatron.core.pipeline_parallel import get_forward_backward_func
         from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
-        from . import pipeline
+        from . import moe, pipeline
         from .tiny_gpt import logged_mtp_metrics
 
         if update and self.optimizer is None:
@@ -295,6 +315,7 @@ class MegatronStep:
         if self.optimizer is not None:
             self.optimizer.zero_grad()
         MTPLossLoggingHelper.tracker.clear()  # fresh, sized by this model's MTP depth on first use
+        moe.fresh_moe_tracker()  # likewise, by this model's layers
         reports = get_forward_backward_func()(
             forward_step_func=forward_step_func,
             data_iterator=data_iterator,
@@ -315,10 +336,12 @@ class MegatronStep:
             losses = pipeline.broadcast_from_last_stage(losses if pipeline.stage()["post_process"] else None)
         lm_loss, metrics = losses
         grads = _finalized_grads(self.language_model, _encoder_parameters(self.model.module, self.language_model))
+        moe_facts = dict(moe_metrics=moe.logged_moe_metrics(num_microbatches),
+                         router_grads=moe.router_gradients(self.language_model))
         update_norm = None
         if update:
             update_norm = self._optimizer_step()
-        return MegatronStepResult(lm_loss=lm_loss, update_norm=update_norm, **metrics, **grads)
+        return MegatronStepResult(lm_loss=lm_loss, update_norm=update_norm, **metrics, **grads, **moe_facts)
 
     def _optimizer_step(self):
         """megatron-core's optimizer step; the L2 norm of the full (TP-gathered) weight update."""
@@ -329,6 +352,12 @@ class MegatronStep:
             raise RuntimeError("megatron-core's optimizer step did not succeed")
         after = _full_flat(model, lambda param: param)
         return math.sqrt(sum((flat - before[name]).double().pow(2).sum().item() for name, flat in after))
+
+
+def _zero_loss(loss_function, *args):
+    """``loss_function(*args)`` with its loss (the first output) times 0: no gradient, same reports."""
+    loss, *rest = loss_function(*args)
+    return (loss * 0, *rest)
 
 
 def three_output_loss(loss_mask, output_tensor):
@@ -516,30 +545,67 @@ def _encoder_parameters(root, language_model):
 
 
 def _full_flat(model, tensor_of, named=None):
-    """[(name, flat float32 CPU tensor)] per parameter of ``model`` (or of the ``named`` (name,
-    parameter) pairs): ``tensor_of(param)`` (None: zeros) with TP shards gathered to the full tensor,
-    identical on every TP rank; under pipeline parallelism every stage's parameters of ``model``,
-    under the PP1 model's names and in its order, on every rank."""
+    """[(name, flat float32 CPU tensor)] of every parameter of ``model`` (or of the ``named`` (name,
+    parameter) pairs) in the order of the same model built at TP1 / EP1 / PP1: ``tensor_of(param)``
+    (None: zeros), identical on every rank.
+
+    TP shards are gathered to the full tensor over the parameter's own tensor-parallel group (the
+    expert tensor-parallel group for experts), in its TP layout (`tp_layout.tp_unshard`). Under expert
+    parallelism each rank holds only its experts (``...experts.local_experts.<i>...``, global expert
+    ``ep_rank * local + i``): they are gathered over the expert-parallel group and listed in global
+    expert order under their global names, where a TP1 / EP1 model lists them. Under pipeline
+    parallelism every stage's parameters of ``model``, under the PP1 model's names and in its order.
+    """
     import torch
     from megatron.core import parallel_state
 
     from . import pipeline
     from .tp_layout import tp_unshard
 
-    tp_group = parallel_state.get_tensor_model_parallel_group()
-    tp_size = torch.distributed.get_world_size(tp_group)
+    groups = {False: parallel_state.get_tensor_model_parallel_group(),
+              True: parallel_state.get_expert_tensor_parallel_group()}
+    ep_group = parallel_state.get_expert_model_parallel_group()
+    ep_size = torch.distributed.get_world_size(ep_group)
     staged = pipeline.size() > 1 and named is None
-    flats = []
     pairs = named if named is not None else pipeline.global_names(model) if staged else model.named_parameters()
-    for name, param in pairs:
+    out, experts = [], {}  # experts: module prefix -> [(global index, position, name, flat)]
+    for position, (name, param) in enumerate(pairs):
         tensor = tensor_of(param)
         tensor = torch.zeros_like(param, dtype=torch.float32) if tensor is None else tensor.detach().float()
+        match = _EXPERT.match(name)
+        group = groups[match is not None]
+        tp_size = torch.distributed.get_world_size(group)
         if tp_size > 1 and getattr(param, "tensor_model_parallel", False):
             shards = [torch.empty_like(tensor) for _ in range(tp_size)]
-            torch.distributed.all_gather(shards, tensor.contiguous(), group=tp_group)
+            torch.distributed.all_gather(shards, tensor.contiguous(), group=group)
             tensor = tp_unshard(shards, param)
-        flats.append((name, tensor.reshape(-1).cpu()))
-    return pipeline.gather_stages(flats) if staged else flats
+        flat = tensor.reshape(-1).cpu()
+        if match is None:
+            out.append((name, flat))
+            continue
+        prefix, local = match["prefix"], int(match["index"])
+        if prefix not in experts:
+            experts[prefix] = []
+            out.append((prefix, None))  # where this module's experts go
+        parts = [flat]
+        if ep_size > 1:
+            parts = [torch.empty_like(flat) for _ in range(ep_size)]
+            torch.distributed.all_gather(parts, flat.contiguous(), group=ep_group)
+        count = model.config.num_moe_experts // ep_size  # every MoE layer of the model holds as many
+        for ep_rank, part in enumerate(parts):
+            index = ep_rank * count + local
+            experts[prefix].append((index, position, f"{prefix}{index}{match['rest']}", part))
+    listed = []
+    for name, flat in out:
+        if flat is not None:
+            listed.append((name, flat))
+        else:
+            listed += [(global_name, part) for _, _, global_name, part in sorted(experts[name], key=lambda e: e[:2])]
+    return pipeline.gather_stages(listed) if staged else listed
+
+
+# a SequentialMLP expert's parameter: "<module>.experts.local_experts." + local index + the rest
+_EXPERT = re.compile(r"^(?P<prefix>.*\.experts\.local_experts\.)(?P<index>\d+)(?P<rest>\..+)$")
 
 
 def _finalized_grads(model, encoder=()):

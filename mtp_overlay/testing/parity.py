@@ -9,9 +9,24 @@ own `RankPool`, and compares them with the references of a TP1 pool.
 Models (``MODELS``): the tiny GPTModel, the tiny HybridModel, that HybridModel built with
 ``scatter_embedding_sequence_parallel=False`` (Nemotron VL/Omni's setting: mtp-sp-scatter), and,
 with megatron-bridge installed, a NemotronH HybridModel built by Bridge's provider (the same
-setting). Layouts (``LAYOUTS``): BSHD (``make_batch``, 2 x 32), and one packed THD row of four
-sequences in NeMo-RL's two ``PackedSeqParams`` flavours, "padded" (``cu_seqlens_q`` padded) and
-"unpadded" (``cu_seqlens_q`` real, ``cu_seqlens_q_padded`` padded: NeMo-RL PR #3494's
+setting); and the zoo model (``tiny_hybrid.build_zoo``: attention, MoE and MLP layers, the Super
+recipe's MTP ``"*E"`` at 2 depths with one repeated layer, alltoall dispatcher) built directly and
+by Bridge's NemotronH provider (its own router: sigmoid, expert bias, sequence aux loss; a shared
+expert).
+
+The zoo rows run with the MoE aux-loss coefficient 0: the load-balancing loss is a function of the
+whole microbatch's routing (padding included), not a sum over sequences, so a per-sequence
+reference exists only without it (routing itself is per token, nothing dropped). The ``aux loss``
+zoo rows keep it (`AUX_LOSS_COEFF`) on the full-length BSHD batch only, with two references at TP1
+on the same batch: the model with ``is_mtp_layer`` set by hand on its MTP block's MoE layers
+(`moe.flag_mtp_moe_layers`: what upstream means, Megatron-LM PR #6748), which the overlay misses by
+the open defect of `OPEN_DEFECTS`, and stock itself (the layout check: every parallelism must give
+TP1's gradients, the defect included). The expert-parallel layouts (EP2, TP2xEP2+SP with expert
+tensor parallel size 1, as Nemotron 3 Super trains) run the MoE models only.
+
+Layouts (``LAYOUTS``): BSHD (``make_batch``, 2 x 32), and one packed THD row of four sequences in
+NeMo-RL's two ``PackedSeqParams`` flavours, "padded" (``cu_seqlens_q`` padded) and "unpadded"
+(``cu_seqlens_q`` real, ``cu_seqlens_q_padded`` padded: NeMo-RL PR #3494's
 ``model_slices_context_parallel_inputs`` path). Every case is an RL forward (``labels=None``) with a
 response-only loss mask, the per-token 3-output loss (``calculate_per_token_loss=True``, where
 upstream's own LM normalisation is exact under CP). References: BSHD at TP1 for BSHD; for packed
@@ -25,15 +40,33 @@ import contextlib
 import dataclasses
 
 from .megatron_step import relative_error
+from .tiny_hybrid import ZOO_PATTERN
 
 # the packed row: four sequences (lengths drawn in [3, 15], seeded: 9, 12, 6, 4) and their prompts
 LENGTH_RANGE, LENGTH_SEED = (3, 15), 1
 PROMPTS = (2, 0, 3, 1)
 FLAVOURS = ("padded", "unpadded")
 LAYOUTS = ("bshd",) + FLAVOURS
-MODELS = ("gpt", "hybrid", "hybrid, scatter=False", "bridge nemotron_h, scatter=False")
-BRIDGE_MODELS = tuple(model for model in MODELS if model.startswith("bridge"))
+MODELS = ("gpt", "hybrid", "hybrid, scatter=False", "bridge nemotron_h, scatter=False",
+          "zoo", "zoo, aux loss", "bridge zoo", "bridge zoo, aux loss")
+BRIDGE_KINDS = {"bridge nemotron_h, scatter=False": "nemotron_h", "bridge zoo": "nemotron_h_zoo",
+                "bridge zoo, aux loss": "nemotron_h_zoo"}  # testing.bridge kinds
+BRIDGE_MODELS = tuple(model for model in MODELS if model in BRIDGE_KINDS)
 NOT_SCATTERING = tuple(model for model in MODELS if model.endswith("scatter=False"))
+MOE_MODELS = tuple(model for model in MODELS if "zoo" in model)
+AUX_LOSS_MODELS = tuple(model for model in MODELS if model.endswith("aux loss"))
+AUX_LOSS_COEFF = 0.1  # the aux-loss rows' MoE load-balancing coefficient: their defect shows well above float noise
+# MTP defects the table's rows meet that no overlay fix covers yet, by the id their fix would take:
+# id -> what is wrong. A defect whose id is a registered megatron-core fix is no longer open
+# (`open_defects`): the overlay rows then must equal their reference.
+MTP_MOE_ROUTER = "mtp-moe-router"
+OPEN_DEFECTS = {
+    MTP_MOE_ROUTER: (
+        "the MTP block's MoE layers are built without is_mtp_layer (megatron-core 0.17-0.19.x "
+        "models/hybrid/hybrid_block.py:183-191; Megatron-LM PR #6748): the repeated MTP layer's "
+        "load-balancing loss counts once per depth (x2 here, router.py:575-581) and logs in a backbone slot"
+    ),
+}
 # world size, TP, CP, sequence parallelism, and the per-sequence padding multiple NeMo-RL uses
 # (2*CP*TP under CP, TP under SP); at TP1 none is needed: 4 makes the two flavours differ
 PARALLELISMS = {
@@ -41,6 +74,10 @@ PARALLELISMS = {
     "CP2": dict(world_size=2, tp=1, cp=2, sp=False, pad_multiple=4),
     "TP2+SP": dict(world_size=2, tp=2, cp=1, sp=True, pad_multiple=2),
     "TP2xCP2+SP": dict(world_size=4, tp=2, cp=2, sp=True, pad_multiple=8),
+    # expert parallelism (MoE models only): EP2 alone (data parallel for the rest), and TP2 x EP2 on
+    # the same two ranks with expert tensor parallel size 1 (Nemotron 3 Super's TP8 x EP16, ETP1)
+    "EP2": dict(world_size=2, tp=1, cp=1, ep=2, sp=False, pad_multiple=4),
+    "TP2xEP2+SP": dict(world_size=2, tp=2, cp=1, ep=2, etp=1, sp=True, pad_multiple=2),
 }
 # pipeline stages: two, through forward_backward_pipelining_without_interleaving
 PARALLELISMS.update({
@@ -68,7 +105,9 @@ class Case:
     """One step. model: one of MODELS; layout: one of LAYOUTS, or "reference" (each sequence of the
     packed row alone, BSHD); pad_multiple: the packed row's per-sequence padding; fixes: installed
     for this case only; loss: a key of LOSSES; mtp_mask: MegatronStep's route for the MTP mask
-    ("explicit" or "scoped"); wrapper: the model inside ``packed.SelfSlicingCP`` (full rows in)."""
+    ("explicit" or "scoped"); wrapper: the model inside ``packed.SelfSlicingCP`` (full rows in);
+    mtp_moe_flag: ``is_mtp_layer`` set by hand on the MTP block's MoE layers (`moe.flag_mtp_moe_layers`,
+    MoE models only)."""
 
     model: str
     layout: str
@@ -78,10 +117,13 @@ class Case:
     loss: str = "3-output"
     mtp_mask: str = "explicit"
     wrapper: bool = False
+    mtp_moe_flag: bool = False
 
     def __post_init__(self):
         if self.model not in MODELS:
             raise ValueError(f"model must be one of {MODELS}, got {self.model!r}")
+        if self.mtp_moe_flag and self.model not in MOE_MODELS:
+            raise ValueError(f"mtp_moe_flag=True needs a model with MoE layers {MOE_MODELS}, got {self.model!r}")
         if self.layout not in LAYOUTS + ("reference",):
             raise ValueError(f"layout must be one of {LAYOUTS + ('reference',)}, got {self.layout!r}")
         if self.loss not in LOSSES:
@@ -129,26 +171,32 @@ def microbatch(case):
     return packed_row(case.pad_multiple, case.layout).microbatch(labels=False)
 
 
-def build(model, *, sequence_parallel=False, seed=1234):
-    """A per-token-loss model of MODELS for this rank (TP/CP/PP from parallel_state; under PP its stage)."""
+def build(model, *, sequence_parallel=False, seed=1234, mtp_moe_flag=False):
+    """A per-token-loss model of MODELS for this rank (TP/CP/EP/PP from parallel_state; under PP its
+    stage); with ``mtp_moe_flag`` its MTP block's MoE layers flagged by hand (`moe.flag_mtp_moe_layers`)."""
     from . import pipeline
+    from .moe import flag_mtp_moe_layers
     from .tiny_gpt import build_tiny_gpt
-    from .tiny_hybrid import build_tiny_hybrid
+    from .tiny_hybrid import build_tiny_hybrid, build_zoo
 
-    scatter = dict(scatter_embedding_sequence_parallel=model not in NOT_SCATTERING)
+    settings = dict(scatter_embedding_sequence_parallel=model not in NOT_SCATTERING)
+    moe = dict(moe_aux_loss_coeff=AUX_LOSS_COEFF if model in AUX_LOSS_MODELS else 0.0) if model in MOE_MODELS else {}
     if model in BRIDGE_MODELS:
         from .bridge import build_bridge_model
 
         with _own_attention_backend():
-            built = build_bridge_model(model.split()[1].rstrip(","), seed=seed, sequence_parallel=sequence_parallel,
-                                       **scatter)
+            built = build_bridge_model(BRIDGE_KINDS[model], seed=seed, sequence_parallel=sequence_parallel, recipe=moe,
+                                       **settings)
         built.config.calculate_per_token_loss = True  # read at DDP's construction and in every step
-        return built
-    if model == "gpt":
-        return build_tiny_gpt(seed=seed, sequence_parallel=sequence_parallel, calculate_per_token_loss=True, **scatter)
-    stages = dict(hybrid_layer_pattern=PIPELINED_PATTERN) if pipeline.size() > 1 else {}
-    return build_tiny_hybrid(seed=seed, sequence_parallel=sequence_parallel, calculate_per_token_loss=True, **scatter,
-                             **stages)
+    else:
+        builder = {"gpt": build_tiny_gpt}.get(model, build_zoo if model in MOE_MODELS else build_tiny_hybrid)
+        if pipeline.size() > 1 and builder is build_tiny_hybrid:
+            settings["hybrid_layer_pattern"] = PIPELINED_PATTERN
+        built = builder(seed=seed, sequence_parallel=sequence_parallel, calculate_per_token_loss=True, **settings,
+                        **moe)
+    if mtp_moe_flag:
+        flag_mtp_moe_layers(built)
+    return built
 
 
 @contextlib.contextmanager
@@ -174,10 +222,11 @@ def _own_attention_backend():
 def run_cases(cases):
     """Rank worker: every case in order; on global rank 0 a list of Outcomes (None elsewhere).
 
-    Each (model, sequence parallelism, wrapper) is built and wrapped in MegatronStep once. A case
-    installs exactly its fixes (stock megatron-core otherwise). A step that raises is recorded with
-    its error: every rank fails at the same point (shape checks, layout refusals), so the next case
-    starts in step.
+    Each (model, sequence parallelism, wrapper, MTP MoE flag) is built and wrapped in MegatronStep
+    once; every step starts from the built buffers (``finalize_model_grads`` moves a router's expert
+    bias each step). A case installs exactly its fixes (stock megatron-core otherwise). A step that
+    raises is recorded with its error: every rank fails at the same point (shape checks, layout
+    refusals), so the next case starts in step.
     """
     import torch
 
@@ -186,13 +235,17 @@ def run_cases(cases):
     from .megatron_step import MegatronStep
     from .packed import SelfSlicingCP
 
-    steps, outcomes = {}, []
+    steps, buffers, outcomes = {}, {}, []
     for case in cases:
-        key = (case.model, case.sequence_parallel, case.wrapper)
+        key = (case.model, case.sequence_parallel, case.wrapper, case.mtp_moe_flag)
         if key not in steps:
             mtp_overlay.uninstall()  # every model is built by stock megatron-core
-            model = build(case.model, sequence_parallel=case.sequence_parallel)
+            model = build(case.model, sequence_parallel=case.sequence_parallel, mtp_moe_flag=case.mtp_moe_flag)
             steps[key] = MegatronStep(SelfSlicingCP(model) if case.wrapper else model, optimizer=None)
+            buffers[key] = [(buffer, buffer.detach().clone()) for buffer in model.buffers()]
+        with torch.no_grad():
+            for buffer, built in buffers[key]:
+                buffer.copy_(built)
         mtp_overlay.uninstall()
         mtp_overlay.install(only=list(case.fixes))
         try:
@@ -210,22 +263,30 @@ def run_layout(parallelism, cases, *, timeout=900, log=None):
     from .launcher import RankPool
 
     spec = PARALLELISMS[parallelism]
-    with RankPool(spec["world_size"], tp=spec["tp"], cp=spec["cp"], pp=spec.get("pp", 1), log=log) as pool:
+    layout = dict(tp=spec["tp"], cp=spec["cp"], pp=spec.get("pp", 1), ep=spec.get("ep", 1), etp=spec.get("etp"))
+    with RankPool(spec["world_size"], **layout, log=log) as pool:
         return pool.run_checked(run_cases, args=(cases,), fixes=[], timeout=timeout)[0]
 
 
+def model_layouts(model):
+    """The layouts a model's rows run: all, or BSHD alone with the aux loss on (module docstring)."""
+    return ("bshd",) if model in AUX_LOSS_MODELS else LAYOUTS
+
+
 def table_cases(parallelism, models):
-    """The parity table's cases for one parallelism: every model and layout, stock and overlay (the
-    scatter=False tiny HybridModel only under sequence parallelism: elsewhere it is its twin; under
-    pipeline parallelism the PIPELINED models only)."""
+    """The parity table's cases for one parallelism: every model and its layouts, stock and overlay
+    (the scatter=False tiny HybridModel only under sequence parallelism: elsewhere it is its twin;
+    under expert parallelism the MoE models only, under pipeline parallelism the PIPELINED ones)."""
     spec, fixes = PARALLELISMS[parallelism], megatron_core_fixes()
     cases = []
     for model in models:
         if model in NOT_SCATTERING and model not in BRIDGE_MODELS and not spec["sp"]:
             continue
+        if spec.get("ep", 1) > 1 and model not in MOE_MODELS:
+            continue
         if spec.get("pp", 1) > 1 and model not in PIPELINED:
             continue
-        for layout in LAYOUTS:
+        for layout in model_layouts(model):
             for variant in ((), fixes):
                 cases.append(Case(model, layout, spec["sp"], spec["pad_multiple"], variant))
     return cases
@@ -233,8 +294,27 @@ def table_cases(parallelism, models):
 
 def reference_cases(models):
     """TP1, stock: BSHD and each sequence alone, per model (scatter=False models share their twin's
-    weights: the setting changes nothing without sequence parallelism)."""
-    return [Case(model, layout) for model in models for layout in ("bshd", "reference")]
+    weights: the setting changes nothing without sequence parallelism); for an aux-loss model BSHD
+    with its MTP MoE layers flagged by hand (the reference), then stock BSHD (the layout reference)."""
+    cases = []
+    for model in models:
+        if model in AUX_LOSS_MODELS:
+            cases += [Case(model, "bshd", mtp_moe_flag=True), Case(model, "bshd")]
+        else:
+            cases += [Case(model, layout) for layout in ("bshd", "reference")]
+    return cases
+
+
+def reference_key(case):
+    """The key of `parity_table`'s references a case's row compares with."""
+    return case.model, "bshd" if case.layout == "bshd" else "reference", case.model in AUX_LOSS_MODELS
+
+
+def open_defects(model):
+    """The ids of `OPEN_DEFECTS` that keep ``model``'s overlay rows off their reference: those its rows
+    meet (the MTP MoE router's with the aux loss on) that no registered fix covers."""
+    met = (MTP_MOE_ROUTER,) if model in AUX_LOSS_MODELS else ()
+    return tuple(defect for defect in met if defect in OPEN_DEFECTS and defect not in megatron_core_fixes())
 
 
 def composition_cases(parallelism):
@@ -348,31 +428,55 @@ def composition_markdown(references, outcomes):
 
 def parity_table(models=None, parallelisms=tuple(PARALLELISMS), log=None):
     """Run the TP1 reference pool and one pool per parallelism; ``{(model, layout, parallelism): row}``
-    in table order, each row a dict of Outcomes: ``reference``, ``stock``, ``overlay``."""
+    in table order, each row a dict of Outcomes: ``reference``, ``stock``, ``overlay``, and for the
+    aux-loss models ``layout_reference`` (TP1 stock on the same batch)."""
     models = tuple(models or (model for model in MODELS if model not in BRIDGE_MODELS))
     first = reference_cases(models)
     results = run_layout("TP1", first + (table_cases("TP1", models) if "TP1" in parallelisms else []), log=log)
-    references = {(o.case.model, o.case.layout): o for o in results[: len(first)]}
-    outcomes = [("TP1", outcome) for outcome in results[len(first):]]
+    references, outcomes = results[: len(first)], [("TP1", outcome) for outcome in results[len(first):]]
     for parallelism in parallelisms:
         if parallelism != "TP1":
             results = run_layout(parallelism, table_cases(parallelism, models), log=log)
             outcomes += [(parallelism, outcome) for outcome in results]
+    return table_rows(references, outcomes)
+
+
+def table_rows(references, outcomes):
+    """``{(model, layout, parallelism): row}`` in table order (`parity_table`) from the Outcomes of
+    `reference_cases` and ``[(parallelism, Outcome of table_cases)]``."""
+    by_key = {(o.case.model, o.case.layout, o.case.mtp_moe_flag): o for o in references}
     rows = {}
     for parallelism, outcome in outcomes:
         case = outcome.case
-        reference = references[case.model, "bshd" if case.layout == "bshd" else "reference"]
-        row = rows.setdefault((case.model, case.layout, parallelism), dict(reference=reference))
+        row = rows.setdefault((case.model, case.layout, parallelism), dict(reference=by_key[reference_key(case)]))
+        if case.model in AUX_LOSS_MODELS:
+            row["layout_reference"] = by_key[case.model, "bshd", False]
         row["overlay" if case.fixes else "stock"] = outcome
     order = {name: index for index, name in enumerate(MODELS + LAYOUTS + tuple(PARALLELISMS))}
     return dict(sorted(rows.items(), key=lambda item: tuple(order[part] for part in item[0])))
 
 
+def row_needs(model, layout, parallelism):
+    """The fixes a table row's stock path lacks to equal its reference: mtp-packed-roll on the unpadded
+    flavour (real ``cu_seqlens_q``), mtp-cp-loss-scale under CP, mtp-sp-scatter for a model that does
+    not scatter its embedding under sequence parallelism, and the MTP MoE router's (`MTP_MOE_ROUTER`,
+    still open: `open_defects`) with the aux loss on."""
+    spec = PARALLELISMS[parallelism]
+    needs = {MTP_MOE_ROUTER} if model in AUX_LOSS_MODELS else set()
+    if layout == "unpadded":
+        needs.add("mtp-packed-roll")
+    if spec["cp"] > 1:
+        needs.add("mtp-cp-loss-scale")
+    if model in NOT_SCATTERING and spec["sp"]:
+        needs.add("mtp-sp-scatter")
+    return needs
+
+
 def markdown(rows):
-    """The parity table in markdown."""
+    """The parity table in markdown; rows that a note qualifies (`row_note`) say so in its last column."""
     head = ("| model | layout | parallelism | reference LM / MTP loss | stock LM / MTP loss "
-            "| stock max \\|Δgrad\\| MTP / rest | overlay LM / MTP loss | overlay max \\|Δgrad\\| MTP / rest |")
-    lines = [head, "|" + " --- |" * 8]
+            "| stock max \\|Δgrad\\| MTP / rest | overlay LM / MTP loss | overlay max \\|Δgrad\\| MTP / rest | note |")
+    lines = [head, "|" + " --- |" * 9]
     for (model, layout, parallelism), row in rows.items():
         reference = row["reference"]
         cells = [model, LAYOUT_NAMES[layout], parallelism, _losses(reference)]
@@ -383,8 +487,44 @@ def markdown(rows):
             else:
                 mtp, rest, *_ = outcome.compare(reference)
                 cells += [_losses(outcome), f"{_delta(mtp)} / {_delta(rest)}"]
-        lines.append("| " + " | ".join(cells) + " |")
+        lines.append("| " + " | ".join(cells + [row_note(model, row)]) + " |")
     return "\n".join(lines)
+
+
+def row_note(model, row):
+    """What a row's comparison means when it is not "overlay equals the reference": the open defects
+    (`OPEN_DEFECTS`) the overlay row carries and, for the aux-loss rows, the overlay's max |Δgrad|
+    (MTP / rest) against TP1 stock on the same batch (the layout check)."""
+    notes = [f"open: {defect}" for defect in open_defects(model)]
+    overlay, layout_reference = row.get("overlay"), row.get("layout_reference")
+    if layout_reference is not None and overlay is not None and overlay.error is None:
+        mtp, rest, *_ = overlay.compare(layout_reference)
+        notes.append(f"vs TP1 stock {_delta(mtp)} / {_delta(rest)}")
+    return "; ".join(notes)
+
+
+def notes_markdown(rows):
+    """What the zoo rows are and which comparisons hold, for below the table (empty without zoo rows)."""
+    models = {model for model, _, _ in rows}
+    lines = []
+    if models & set(MOE_MODELS):
+        lines.append(
+            f"zoo: the tiny HybridModel `{ZOO_PATTERN}` (attention, MoE, MLP; the Super recipe's MTP `*E` "
+            "at 2 depths, one repeated layer; 4 experts, top-2, alltoall), bridge zoo: the same layers built by "
+            "Megatron-Bridge's NemotronH provider (its router: sigmoid, expert bias, sequence aux loss; a shared "
+            "expert). Their MoE aux-loss coefficient is 0: the load-balancing loss is a function of the whole "
+            "microbatch's routing, so only without it does a per-sequence reference exist."
+        )
+    if models & set(AUX_LOSS_MODELS):
+        lines.append(
+            f"aux loss: coefficient {AUX_LOSS_COEFF}, BSHD only; reference: TP1 on the same batch with is_mtp_layer "
+            "set by hand on the MTP block's MoE layers (upstream's intent). Stock and overlay miss it by the open "
+            "defect; 'vs TP1 stock' is the layout check (every parallelism gives TP1's gradients, defect included)."
+        )
+    for defect in sorted({defect for model in models for defect in open_defects(model)}):
+        lines.append(f"open {defect}: {OPEN_DEFECTS[defect]}.")
+    return "\n".join(lines)
+
 
 
 LAYOUT_NAMES = {"bshd": "BSHD", "padded": "THD padded", "unpadded": "THD unpadded"}
