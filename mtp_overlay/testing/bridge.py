@@ -9,10 +9,12 @@ TP2xCP2+SP runs hold identical full weights and their losses compare.
 Kinds:
 * ``"qwen3"``: ``Qwen3Config`` -> ``Qwen3Bridge`` -> ``GPTModelProvider`` -> ``GPTModel``.
 * ``"nemotron_h"``: ``NemotronHConfig`` -> ``NemotronHBridge`` -> ``HybridModelProvider`` ->
-  ``HybridModel``, pattern ``"*-*-"`` with MTP pattern ``"*-"`` (attention and MLP layers only: Mamba
-  layers need the mamba_ssm kernels).
-* ``"nemotron_h_zoo"``: the same path for the zoo model's layers (``tiny_hybrid.ZOO_PATTERN``): MoE
-  ('E') layers through the HF keys ``n_routed_experts`` (4), ``num_experts_per_tok`` (2),
+  ``HybridModel``, pattern ``"*-*-"`` with MTP pattern ``"*-"`` (attention and MLP layers).
+* ``"nemotron_h_zoo"``: the same path for the zoo model's layers (``tiny_hybrid.ZOO_PATTERN``): Mamba
+  ('M') layers through ``mamba_num_heads`` / ``mamba_head_dim`` / ``n_groups`` / ``ssm_state_size`` /
+  ``chunk_size`` (the tiny mixer of ``tiny_hybrid.MAMBA_SETTINGS``, its kernels the test bed's
+  stand-ins, its weights TP-independent: ``tiny_hybrid.tp_independent_mamba_weights``), MoE ('E')
+  layers through the HF keys ``n_routed_experts`` (4), ``num_experts_per_tok`` (2),
   ``moe_intermediate_size`` and one shared expert (``n_shared_experts``,
   ``moe_shared_expert_intermediate_size``), and the Super recipe's MTP: MTP pattern ``"*E"`` at 2
   depths, ``mtp_use_repeated_layer`` (NemotronHBridge's default). The router is NemotronHBridge's
@@ -45,7 +47,7 @@ import dataclasses
 import functools
 import importlib.util
 
-from .tiny_hybrid import ZOO_PATTERN, local_hybrid_stack_spec
+from .tiny_hybrid import ZOO_PATTERN, local_hybrid_stack_spec, tp_independent_mamba_weights
 
 KINDS = ("qwen3", "nemotron_h")  # dense: the kinds `Case` / `run_cases` train (tiny_gpt.train_step)
 MOE_KINDS = ("nemotron_h_zoo",)  # MoE: trained through megatron_step.MegatronStep (expert-parallel grads)
@@ -124,6 +126,12 @@ def tiny_hf_config(kind, *, mtp_num_layers=None, vocab_size=128, hidden_size=64,
         n_shared_experts=1,
         moe_shared_expert_intermediate_size=hidden_size,
         mtp_use_repeated_layer=True,
+        # the tiny Mamba mixer of tiny_hybrid.MAMBA_SETTINGS: 8 heads of 16 (d_inner 2 x hidden), 2 groups
+        mamba_num_heads=2 * hidden_size // 16,
+        mamba_head_dim=16,
+        n_groups=2,
+        ssm_state_size=8,
+        chunk_size=8,
     )
 
 
@@ -189,6 +197,7 @@ def build_bridge_model(
     torch.manual_seed(seed)
     with contextlib.nullcontext() if HAVE_TE else bridge_local_mtp_spec():
         model = provider.provide()
+    tp_independent_mamba_weights(model, seed)  # Mamba's weights otherwise depend on the TP size
     device = torch.device("cpu") if installed() else torch.device("cuda", torch.cuda.current_device())
     return model.to(device)
 

@@ -50,8 +50,9 @@ MAMBA_CHUNK_SIZE = 8
 # symbol -> layer kind this local spec builds (megatron-core's Symbols: M * - E G D +)
 SYMBOLS = {"*": "attention", "-": "MLP", "E": "MoE", "M": "Mamba"}
 UNSUPPORTED = {"G": "gated delta net", "D": "DeepSeek sparse attention", "+": "multi-latent attention"}
-# the backbone's layer mix, then the Super recipe's MTP block "*E" at 2 depths (repeated layer)
-ZOO_PATTERN = "*E*-/*E/*E"
+# the backbone's layer mix (Mamba, attention, MoE, MLP), then the Super recipe's MTP block "*E" at 2
+# depths (repeated layer)
+ZOO_PATTERN = "M*E-/*E/*E"
 DISPATCHERS = ("allgather", "alltoall")
 # a tiny MoE that trains on CPU (4 experts, top-2, load-balancing aux loss; no bias: megatron-core
 # allows bias in MoE only with expert tensor parallel size 1)
