@@ -12,6 +12,8 @@ from .patching import command as patch_command
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from .contract import FixStatus
 
 STATUS_COLUMNS = ["name", "distribution", "version", "state", "patched", "reason"]
@@ -43,9 +45,11 @@ def _check(args: argparse.Namespace) -> int:
     from .contract import State
 
     registry.uninstall(args.only)  # probe the stock code: no hook fires (or raises) while targets import
-    stock_run = None
+    stock_run: "Callable[[str], tuple[bool, str]] | None" = None
     if args.run_stock:
-        from .testing.reproducers import stock_run  # the test bed, reached only from `check --run`
+        from .testing import reproducers  # the test bed, reached only from `check --run`
+
+        stock_run = reproducers.stock_run
     rows = registry.check(args.only, stock_run=stock_run)
     _rows(rows, args, CHECK_COLUMNS + (["run"] if args.run_stock else []))
     failing = set(State.FAILING) | ({State.REDUNDANT} if args.fail_on_redundant else set())

@@ -13,6 +13,7 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator, Mapping
     from types import CodeType, ModuleType
+    from typing import Any
 
 
 class OverlayError(RuntimeError):
@@ -131,7 +132,7 @@ class Marker:
         def local_function(name: str) -> "CodeType | None":
             found = namespace.get(name)
             found = inspect.unwrap(found) if callable(found) else None
-            return found.__code__ if getattr(found, "__module__", None) == home and hasattr(found, "__code__") else None
+            return getattr(found, "__code__", None) if getattr(found, "__module__", None) == home else None
 
         return self._reaches(function.__code__, local_function, set())
 
@@ -332,7 +333,7 @@ class FixStatus:
         return f"FixStatus({self.as_dict()})"
 
 
-def defined_in(module: "ModuleType", names: "list[str] | tuple[str, ...]") -> object:
+def defined_in(module: "ModuleType", names: "list[str] | tuple[str, ...]") -> "Any":
     """The first object named in ``names`` that ``module`` defines itself (not one it imports), or None."""
     for name in names:
         found = vars(module).get(name)

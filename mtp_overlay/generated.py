@@ -82,7 +82,7 @@ def table_source(declarations: "list[Declaration]") -> str:
         lines += [f"        {quoted(module)}," for module in declaration.modules]
         lines.append("    )),")
     requires = [d for d in declarations if d.requires]
-    lines += [")", "REQUIRES = {" + ("" if requires else "}")]
+    lines += [")", 'REQUIRES: "dict[str, tuple[str, ...]]" = {' + ("" if requires else "}")]
     for declaration in requires:
         names = ", ".join(map(quoted, declaration.requires)) + ("," if len(declaration.requires) == 1 else "")
         lines.append(f"    {quoted(declaration.name)}: ({names}),")

@@ -19,7 +19,7 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Iterable
     from types import ModuleType
-    from typing import Protocol
+    from typing import Any, Protocol
 
     from .contract import Declaration
 
@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
         def probe(self, module: ModuleType) -> Verdict: ...
 
-        def wrappers(self, module: ModuleType) -> "Iterable[tuple[object, str, object]]": ...
+        def wrappers(self, module: ModuleType) -> "Iterable[tuple[Any, str, Any]]": ...
 
 _lifecycles: "dict[str, Lifecycle]" = {}  # fix id -> its Lifecycle, made on first use
 _made = RLock()

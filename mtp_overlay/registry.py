@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Iterable
     from types import ModuleType
 
-    from .contract import Declaration, FixStatus
+    from .contract import Declaration, FixStatus, StockRun
     from .fixes import Fix
     from .lifecycle import Lifecycle
 
@@ -48,7 +48,12 @@ def lifecycle(name: str) -> "Lifecycle":
 
 def get(name: str) -> "Fix":
     """The Fix of fix ``name`` (its module is imported)."""
-    return lifecycle(name).fix
+    from .fixes import Fix
+
+    found = lifecycle(name).fix
+    if not isinstance(found, Fix):
+        raise TypeError(f"fix {name!r}: its module's FIX must be a mtp_overlay.fixes.Fix, got {found!r}")
+    return found
 
 
 def _select(names_or_name: "str | Iterable[str] | None") -> "list[str]":
@@ -252,8 +257,8 @@ def check(only: "str | Iterable[str] | None" = None, *,
                 try:
                     module = importlib.import_module(target)
                 except Exception as exc:
-                    gone = isinstance(exc, ModuleNotFoundError) and exc.name is not None
-                    if gone and (target == exc.name or target.startswith(f"{exc.name}.")):
+                    gone = exc.name if isinstance(exc, ModuleNotFoundError) else None
+                    if gone and (target == gone or target.startswith(f"{gone}.")):
                         missing.append(target)
                     else:
                         verdicts.append((target, Verdict(State.UNSUPPORTED, f"import failed: {type(exc).__name__}: {exc}")))

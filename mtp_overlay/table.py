@@ -43,4 +43,4 @@ FIXES = (
         "vllm.model_executor.model_loader.reload.inplace",
     )),
 )
-REQUIRES = {}
+REQUIRES: "dict[str, tuple[str, ...]]" = {}

@@ -12,6 +12,7 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Iterable
     from types import ModuleType
+    from typing import Any
 
     from ..contract import Declaration, Marker, Provenance, Verdict
     from ..lifecycle import Lifecycle
@@ -46,8 +47,12 @@ class Fix:
         return self.declaration.provenance
 
     @property
-    def marker(self) -> "Marker | None":
-        return self.declaration.marker
+    def marker(self) -> "Marker":
+        """The declared Marker (ValueError for a fix that declares none)."""
+        marker = self.declaration.marker
+        if marker is None:
+            raise ValueError(f"fix {self.name!r} declares no marker")
+        return marker
 
     @property
     def families(self) -> "dict[str, str]":
@@ -91,6 +96,6 @@ class Fix:
         """Return a Verdict for the imported target ``module``: needed, redundant or drifted."""
         raise NotImplementedError(f"fix {self.name!r} has no probe")
 
-    def wrappers(self, module: "ModuleType") -> "Iterable[tuple[object, str, object]]":
+    def wrappers(self, module: "ModuleType") -> "Iterable[tuple[Any, str, Any]]":
         """Yield ``(owner, attribute, wrapper)``: wrapt-style wrappers to put on ``module``."""
         return ()

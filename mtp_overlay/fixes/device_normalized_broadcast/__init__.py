@@ -216,7 +216,6 @@ class DeviceNormalizedBroadcastFix(Fix):
 
     def _patched(self, module: "ModuleType") -> "str | None":
         """The function of ``module`` the source patch changed, when it calls the marker (else None)."""
-        assert self.marker is not None
         path = one_by_one_path(module) if self.role_of(module) == "nccl_engine" else None
         functions = [getattr(path[0], path[1])] if path else [vars(module)[n] for n in PRODUCERS if n in vars(module)]
         for function in functions:
@@ -225,7 +224,6 @@ class DeviceNormalizedBroadcastFix(Fix):
         return None
 
     def probe(self, module: "ModuleType") -> Verdict:
-        assert self.marker is not None
         if self.role_of(module) == "nccl_engine":
             path = one_by_one_path(module)
             if path is None:

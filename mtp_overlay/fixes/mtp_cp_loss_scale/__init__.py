@@ -53,7 +53,7 @@ KNOWN_NAMES = frozenset({
 })
 REQUIRED_NAMES = ("roll_tensor", "calculate_per_token_loss", "mtp_loss_scaling_factor", "save_metrics_to_tracker")
 
-_counts = contextvars.ContextVar("mtp_cp_loss_scale_counts", default=None)
+_counts: "contextvars.ContextVar[_Counts | None]" = contextvars.ContextVar("mtp_cp_loss_scale_counts", default=None)
 
 
 def stock_process_mtp_loss(module: "ModuleType") -> "Callable[..., Any] | None":
@@ -119,8 +119,8 @@ class _Counts:
     def __init__(self, group: "Any", mask: "Any", derive: bool, per_token: bool) -> None:
         self.group, self.size, self.mask = group, group.size(), mask
         self.derive = derive  # labels=None: the first roll of the mask makes the original count
-        self.original = None if derive else mask.sum()
-        self.original_total = None
+        self.original: "Any" = None if derive else mask.sum()
+        self.original_total: "Any" = None
         self.per_token = per_token
 
 
@@ -158,7 +158,6 @@ class CPLossScaleFix(Fix):
     def probe(self, module: "ModuleType") -> Verdict:
         import importlib
 
-        assert self.marker is not None
         if self.role_of(module) == DEFINES:
             return probe_target(module, self.marker)
         return probe_alias(module, importlib.import_module(self.target(DEFINES)), self.marker)
@@ -166,7 +165,9 @@ class CPLossScaleFix(Fix):
     def wrappers(self, module: "ModuleType") -> "Iterator[tuple[object, str, Callable[..., Any]]]":
         import torch
 
-        at = positions(stock_process_mtp_loss(module))
+        stock = stock_process_mtp_loss(module)
+        assert stock is not None, "probed first"
+        at = positions(stock)
 
         def process_mtp_loss(wrapped: "Callable[..., Any]", instance: "Any", args: "tuple[Any, ...]",
                              kwargs: "dict[str, Any]") -> "Any":

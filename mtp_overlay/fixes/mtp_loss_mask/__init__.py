@@ -85,6 +85,7 @@ class LossMaskFix(Fix):
         from ... import mtp
 
         cls, forward = _forward(module)
+        assert forward is not None, "probed first"
         at = positions(forward, method=True)  # self is bound by wrapt
 
         def read(args: "tuple[Any, ...]", kwargs: "dict[str, Any]", name: str) -> "Any":

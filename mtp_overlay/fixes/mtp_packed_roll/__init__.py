@@ -64,7 +64,9 @@ class PackedRollFix(Fix):
         return needed(f"megatron-core {family} shape: the packed roll reads cu_seqlens_q")
 
     def wrappers(self, module: "ModuleType") -> "Iterator[tuple[object, str, Callable[..., Any]]]":
-        roll, packed = (_Arguments(function) for function in stock_rolls(module))
+        stock = stock_rolls(module)
+        assert stock[0] is not None and stock[1] is not None, "probed first"
+        roll, packed = _Arguments(stock[0]), _Arguments(stock[1])
 
         def rolled_and_sum(rolled: "Any", read: "_Arguments", args: "tuple[Any, ...]", kwargs: "dict[str, Any]") -> "Any":
             return rolled, (rolled.sum() if read(args, kwargs, "return_sum", True) else None)

@@ -85,7 +85,10 @@ class SPScatterFix(Fix):
         return needed(f"signature of megatron-core {variant[0]}")
 
     def wrappers(self, module: "ModuleType") -> "Iterator[tuple[object, str, Callable[..., Any]]]":
-        _, index = signature_variant(stock_get_embeddings(module.MultiTokenPredictionLayer))
+        stock = stock_get_embeddings(module.MultiTokenPredictionLayer)
+        variant = None if stock is None else signature_variant(stock)
+        assert variant is not None, "probed first: a _get_embeddings of known shape"
+        _, index = variant
 
         def get_embeddings(wrapped: "Callable[..., Any]", instance: "Any", args: "tuple[Any, ...]",
                            kwargs: "dict[str, Any]") -> "Any":

@@ -61,7 +61,7 @@ _lock = RLock()
 # per drafter, made on first use (weakref is not imported at interpreter start: `import mtp_overlay`
 # stays cheap): "refits" -> open Refit, "shapes" -> DrafterShape, "reports" -> last RefitReport,
 # "counts" -> refits closed so far
-_tables = {}
+_tables: "dict[str, Any]" = {}
 
 
 def _table(name):
@@ -307,7 +307,7 @@ def checked_load_weights(wrapped: "Callable[..., Any]", instance: "Any", args: "
         weights = argument(args, kwargs, 0, "weights")
     except TypeError:
         return wrapped(*args, **kwargs)  # vLLM's own TypeError
-    closed = []
+    closed: "list[RefitReport]" = []
     refits = _table("refits")
     with _lock:
         refit = refits.get(instance)
@@ -376,7 +376,6 @@ class VllmMtpDrafterLoadFix(Fix):
 
     def _patched(self, function: "Any") -> bool:
         """Whether ``function`` calls the source patch's helper."""
-        assert self.marker is not None
         if not hasattr(function, "__code__"):
             return False
         return Marker(function.__module__, function.__qualname__, self.marker.calls).in_function(function)
