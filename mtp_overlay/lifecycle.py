@@ -33,19 +33,18 @@ if TYPE_CHECKING:
 
         def wrappers(self, module: ModuleType) -> "Iterable[tuple[Any, str, Any]]": ...
 
+
 _lifecycles: "dict[str, Lifecycle]" = {}  # fix id -> its Lifecycle, made on first use
-_made = RLock()
 
 
 def of(fix_id: str) -> "Lifecycle":
     """The Lifecycle of fix ``fix_id`` in this process; ValueError listing the known ids otherwise."""
     found = _lifecycles.get(fix_id)
     if found is None:
-        with _made:
-            targets = dict(table.FIXES).get(fix_id)
-            if targets is None:
-                raise ValueError(f"unknown fix {fix_id!r}: expected one of {', '.join(name for name, _ in table.FIXES)}")
-            found = _lifecycles.setdefault(fix_id, Lifecycle(fix_id, targets))
+        targets = dict(table.FIXES).get(fix_id)
+        if targets is None:
+            raise ValueError(f"unknown fix {fix_id!r}: expected one of {', '.join(name for name, _ in table.FIXES)}")
+        found = _lifecycles.setdefault(fix_id, Lifecycle(fix_id, targets))  # one per id, whichever thread wins
     return found
 
 

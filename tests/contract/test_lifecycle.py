@@ -473,3 +473,34 @@ def test_a_fix_reads_the_state_of_a_fix_it_declares_and_of_no_other(target, regi
     assert reader.peer_state(base.name) == (State.DISABLED, "uninstalled")
     with pytest.raises(ValueError, match="fix 'test-base' reads the state of 'test-reader' but does not declare it"):
         base.peer_state(reader.name)
+
+
+def test_check_with_a_stock_run_says_where_the_probe_and_the_run_disagree(target, register):
+    """`check(stock_run=...)` is the one place a probe verdict and a stock run become `disagrees`."""
+    needed_fix = register(DoublingFix(target(), name="test-needed"))
+    drifting = register(DoublingFix(target(), behaviour="drift", name="test-drifting"))
+    ran = []
+
+    def stock_run(shows, evidence):
+        def run(name):
+            ran.append(name)
+            return shows, evidence
+
+        return run
+
+    def cannot_run(name):
+        raise RuntimeError("could not run the stock path on pytest 0: no GPU; the test bed needs updating")
+
+    agree = registry.check([needed_fix.name], stock_run=stock_run(True, "the bug shows"))[0]
+    assert (agree.verdict, agree.reason, str(agree.run)) == (State.NEEDED, needed_fix.target("t0"), "needed: the bug shows")
+    differ = registry.check([needed_fix.name], stock_run=stock_run(False, "no bug"))[0]
+    assert differ.verdict == State.DISAGREES and differ.verdict in State.FAILING
+    assert differ.reason == f"the probe says needed ({needed_fix.target('t0')}) but the stock run says redundant: no bug"
+    assert differ.as_dict()["run"] == {"outcome": State.REDUNDANT, "evidence": "no bug"}
+    not_run = registry.check([needed_fix.name], stock_run=cannot_run)[0]
+    assert (not_run.verdict, not_run.run.outcome) == (State.NEEDED, None)
+    assert str(not_run.run) == "could not run the stock path on pytest 0: no GPU; the test bed needs updating"
+    ran.clear()
+    drift = registry.check([drifting.name], stock_run=stock_run(True, "never asked"))[0]
+    assert (drift.verdict, str(drift.run), ran) == (State.DRIFTED, "not run: the probe says drifted", [])
+    assert registry.check([needed_fix.name])[0].run is None
