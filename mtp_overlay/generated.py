@@ -39,7 +39,8 @@ def found_declarations() -> "list[Declaration]":
         if not isinstance(declaration, Declaration):
             raise GenerationError(f"{path}: DECLARATION must be a mtp_overlay.contract.Declaration, got {declaration!r}")
         if declaration.name.replace("-", "_") != folder:
-            raise GenerationError(f"{path}: fix {declaration.name!r} must live in fixes/{declaration.name.replace('-', '_')}/")
+            raise GenerationError(f"{path}: fix {declaration.name!r} must live in "
+                                  f"fixes/{declaration.name.replace('-', '_')}/")
         found.append(declaration)
     known = {declaration.name for declaration in found}
     for declaration in found:
@@ -102,7 +103,9 @@ def fix_folder(declaration: Declaration) -> Path:
 
 
 def _link(path: Path, start: Path, trailing: str = "") -> str:
-    return f"[`{path.relative_to(ROOT).as_posix()}{trailing}`]({os.path.relpath(path, start).replace(os.sep, '/')}{trailing})"
+    """A Markdown link to ``path`` from a file in folder ``start``, shown from the checkout's root."""
+    relative = os.path.relpath(path, start).replace(os.sep, "/")
+    return f"[`{path.relative_to(ROOT).as_posix()}{trailing}`]({relative}{trailing})"
 
 
 def _ids(names: "tuple[str, ...]") -> str:

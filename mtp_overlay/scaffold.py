@@ -116,14 +116,16 @@ def checkout() -> "Path":
     return root
 
 
-def new_fix(fix_id: str, distribution: str, targets: "list[tuple[str, str]]", summary: "str | None" = None) -> "list[Path]":
+def new_fix(fix_id: str, distribution: str, targets: "list[tuple[str, str]]",
+            summary: "str | None" = None) -> "list[Path]":
     """Write fix ``fix_id``'s files and regenerate; the paths written. ValueError, before anything is
     written, for a bad or taken id, a bad distribution name, no or bad targets, or no source checkout."""
     root = checkout()
     if not isinstance(fix_id, str) or not FIX_ID.fullmatch(fix_id):
         raise ValueError(f"fix id must be lowercase words joined by '-' (e.g. bridge-mtp-config), got {fix_id!r}")
     if not isinstance(distribution, str) or not DISTRIBUTION.fullmatch(distribution):
-        raise ValueError(f"--distribution must be a distribution name as pip knows it (e.g. megatron-core), got {distribution!r}")
+        raise ValueError(f"--distribution must be a distribution name as pip knows it (e.g. megatron-core), "
+                         f"got {distribution!r}")
     if not targets:
         raise ValueError("give at least one --target ROLE=MODULE: the upstream module whose import installs the fix")
     if len(dict(targets)) != len(targets):
@@ -149,7 +151,8 @@ def new_fix(fix_id: str, distribution: str, targets: "list[tuple[str, str]]", su
     }
     existing = [path for path in files if path.exists()]
     if fix_id in taken or existing:
-        raise ValueError(f"fix {fix_id!r} exists already ({', '.join(str(p.relative_to(root)) for p in existing) or 'declared'})")
+        where = ", ".join(str(path.relative_to(root)) for path in existing) or "declared"
+        raise ValueError(f"fix {fix_id!r} exists already ({where})")
     for path, text in files.items():
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text, encoding="utf-8")

@@ -39,7 +39,8 @@ class ThrowawayDoneFix(Fix):
 FIX = ThrowawayDoneFix()
 '''
 
-SUPPORT_LIST = "import json, sys; sys.path.insert(0, 'scripts'); import support_matrix; print(json.dumps(support_matrix.fixes_by_distribution()))"
+SUPPORT_LIST = ("import json, sys; sys.path.insert(0, 'scripts'); import support_matrix; "
+                "print(json.dumps(support_matrix.fixes_by_distribution()))")
 STATUS = "import json, mtp_overlay; print(json.dumps({r.name: [r.state, r.distribution] for r in mtp_overlay.status()}))"
 
 
