@@ -10,68 +10,70 @@ import sys
 from . import registry, startup
 from .patching import command as patch_command
 
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from .contract import FixStatus
+
 STATUS_COLUMNS = ["name", "distribution", "version", "state", "patched", "reason"]
 CHECK_COLUMNS = ["name", "distribution", "version", "verdict", "reason"]
 
 
-def print_table(rows, columns):
+def print_table(rows: "list[dict[str, object]]", columns: "list[str]") -> None:
     widths = [max(len(str(row.get(c, ""))) for row in rows + [{c: c for c in columns}]) for c in columns]
     print("  ".join(c.upper().ljust(w) for c, w in zip(columns, widths)).rstrip())
     for row in rows:
         print("  ".join(str(row.get(c, "")).ljust(w) for c, w in zip(columns, widths)).rstrip())
 
 
-def _rows(rows, args, columns):
+def _rows(rows: "list[FixStatus]", args: argparse.Namespace, columns: "list[str]") -> None:
     if args.json:
         print(json.dumps([row.as_dict() for row in rows], indent=2))
     else:
-        print_table([row.as_dict() for row in rows], columns)
+        print_table([{**row.as_dict(), "run": str(row.run)} for row in rows], columns)
 
 
-def _status(args):
-    _rows(registry.status(), args, STATUS_COLUMNS)
+def _status(args: argparse.Namespace) -> int:
+    from .patching.survey import patched_on_disk
+
+    _rows(registry.status(patched=patched_on_disk), args, STATUS_COLUMNS)
     return 0
 
 
-def _check(args):
+def _check(args: argparse.Namespace) -> int:
     from .contract import State
 
     registry.uninstall(args.only)  # probe the stock code: no hook fires (or raises) while targets import
-    rows = registry.check(args.only)
+    stock_run: "Callable[[str], tuple[bool, str]] | None" = None
     if args.run_stock:
-        _cross_check(rows)
-    _rows(rows, args, CHECK_COLUMNS)
+        from .testing import reproducers  # the test bed, reached only from `check --run`
+
+        stock_run = reproducers.stock_run
+    rows = registry.check(args.only, stock_run=stock_run)
+    _rows(rows, args, CHECK_COLUMNS + (["run"] if args.run_stock else []))
     failing = set(State.FAILING) | ({State.REDUNDANT} if args.fail_on_redundant else set())
     return 1 if any(row.verdict in failing for row in rows) else 0
 
 
-def _cross_check(rows):
-    """Run each probed fix's stock code path (the test bed's reproducer) and compare: a probe that
-    reads the code one way while the code behaves the other is `State.DISAGREES`."""
-    from .contract import State
-    from .testing.reproducers import StockPathNotRun, stock_run  # the test bed, reached only from `check --run`
-
-    for row in rows:
-        if row.verdict not in (State.NEEDED, State.REDUNDANT):
-            continue
-        try:
-            shows, evidence = stock_run(row.name)
-        except StockPathNotRun as exc:
-            row.reason += f"; {exc}"
-            continue
-        ran = State.NEEDED if shows else State.REDUNDANT
-        if ran != row.verdict:
-            row.reason = f"the probe says {row.verdict} ({row.reason}) but the stock run says {ran}: {evidence}"
-            row.verdict = State.DISAGREES
-
-
-def _demo(args):
+def _demo(args: argparse.Namespace) -> int:
     from .testing import demo  # the test bed, reached only from this command
 
     return demo.main()
 
 
-def build_parser():
+def _new_fix(args: argparse.Namespace) -> int:
+    from . import scaffold
+
+    targets = [scaffold.target_argument(value) for value in args.target or ()]
+    written = scaffold.new_fix(args.fix_id, args.distribution, targets, summary=args.summary)
+    for path in written:
+        print(f"wrote {path}")
+    print(scaffold.next_steps(args.fix_id))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mtp-overlay", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
     status = commands.add_parser("status", help="state of every fix in this process")
@@ -86,12 +88,22 @@ def build_parser():
     check.set_defaults(run=_check)
     demo = commands.add_parser("demo", help="the tiny GPT+MTP on 2 gloo ranks, each fix off and on")
     demo.set_defaults(run=_demo)
+    new_fix = commands.add_parser(
+        "new-fix", help="scaffold a fix in this source checkout: declaration, module, README, tests, reproducer",
+        description="Write the files of a new fix (its probe and wrappers refuse to install until written) and "
+                    "regenerate the table and the READMEs' facts. Only in a source checkout of mtp-overlay.")
+    new_fix.add_argument("fix_id", metavar="FIX_ID", help="lowercase words joined by '-', e.g. bridge-mtp-config")
+    new_fix.add_argument("--distribution", required=True, help="the upstream distribution, as pip names it")
+    new_fix.add_argument("--target", action="append", metavar="ROLE=MODULE",
+                         help="a module whose import installs the fix, named by its role (repeatable; at least one)")
+    new_fix.add_argument("--summary", help="what the fix does, one line (default: a placeholder to edit)")
+    new_fix.set_defaults(run=_new_fix)
     patch_command.add_parser(commands)
     startup.add_parser(commands)
     return parser
 
 
-def main(argv=None):
+def main(argv: "list[str] | None" = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.run(args)

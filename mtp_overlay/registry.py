@@ -1,84 +1,62 @@
-"""The list of fixes, and install / uninstall / status / check over it.
+"""install / uninstall / status / check over the fixes of the generated table.
 
-``FIXES`` is all that ``import mtp_overlay`` reads: each fix id with the upstream modules whose
-import installs it. A fix's code (``mtp_overlay/fixes/<fix id>/``) and the lifecycle machinery load
-only when one of its targets is imported, or when `status()` / `check()` ask about it.
+`mtp_overlay.table` (ids, target modules, requirements) is all that ``import mtp_overlay`` reads. A
+fix's code (``mtp_overlay/fixes/<fix id>/``) and the lifecycle machinery load only when one of its
+targets is imported, or when `status()` / `check()` ask about it. What is on disk (source patches)
+and what the stock code does when run are handed in by the caller (`status(patched=...)`,
+`check(stock_run=...)`): the registry reads neither the patch engine nor the test bed.
 """
 
 import os
 
-from . import hooks
+from . import hooks, table
 
-FIXES = [
-    ("mtp-sp-scatter", ("megatron.core.transformer.multi_token_prediction",)),
-    ("mtp-packed-roll", ("megatron.core.transformer.multi_token_prediction",)),
-    ("mtp-loss-mask", ("megatron.core.models.gpt.gpt_model", "megatron.core.models.hybrid.hybrid_model")),
-    (
-        "mtp-cp-loss-scale",
-        (
-            "megatron.core.transformer.multi_token_prediction",
-            "megatron.core.models.gpt.gpt_model",
-            "megatron.core.models.hybrid.hybrid_model",
-        ),
-    ),
-    ("hf-modules-cache", ("ray",)),
-    (
-        "device-normalized-broadcast",
-        ("vllm.distributed.weight_transfer.packed_tensor", "vllm.distributed.weight_transfer.nccl_engine"),
-    ),
-    (
-        "vllm-chat-template",
-        (
-            "vllm.renderers.online_renderer",
-            "vllm.renderers.online_derenderer",
-            "vllm.entrypoints.serve.tokenize.serving",
-            "vllm.entrypoints.openai.chat_completion.serving",
-            "vllm.entrypoints.openai.responses.serving",
-            "vllm.entrypoints.anthropic.serving",
-        ),
-    ),
-    (
-        "vllm-mtp-drafter-load",
-        (
-            "vllm.model_executor.models.nemotron_h_mtp",
-            "vllm.model_executor.models.deepseek_mtp",
-            "vllm.model_executor.model_loader.reload.layerwise",
-            "vllm.model_executor.model_loader.reload",
-            "vllm.model_executor.model_loader.reload.inplace",
-        ),
-    ),
-]
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterable
+    from types import ModuleType
 
-_lifecycles = {}  # fix id -> Lifecycle, made on first use
-_strict = {}  # fix id -> strict, for a fix installed before its Lifecycle exists
-_callbacks = {}  # fix id -> its post-import callback (one object per fix, so it can be cancelled)
+    from .contract import Declaration, FixStatus, StockRun
+    from .fixes import Fix
+    from .lifecycle import Lifecycle
+
+_strict: "dict[str, bool]" = {}  # fix id -> strict, for a fix installed before its Lifecycle exists
+_disabled: "dict[str, str]" = {}  # fix id -> why it is disabled (the requirement check of `install`)
+_callbacks: "dict[str, _Hook]" = {}  # fix id -> its post-import callback (one object per fix, so it can be cancelled)
 
 
-def names():
-    """The fix ids, in registry order."""
-    return [name for name, _ in FIXES]
+def __getattr__(name: str) -> object:
+    if name == "FIXES":  # the table's, read when asked (a test may register a fix in it)
+        return table.FIXES
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def lifecycle(name):
+def names() -> "list[str]":
+    """The fix ids, in the table's (install) order."""
+    return [name for name, _ in table.FIXES]
+
+
+def lifecycle(name: str) -> "Lifecycle":
     """The Lifecycle of fix ``name`` in this process; ValueError listing the known ids otherwise."""
-    found = _lifecycles.get(name)
-    if found is None:
-        targets = dict(FIXES).get(name)
-        if targets is None:
-            raise ValueError(f"unknown fix {name!r}: expected one of {', '.join(names())}")
-        from .lifecycle import Lifecycle
+    from . import lifecycle as lifecycles
 
-        found = _lifecycles.setdefault(name, Lifecycle(name, targets))
-        found.strict = _strict.pop(name, False)
+    found = lifecycles.of(name)
+    if name in _strict:
+        found.strict = _strict.pop(name)
     return found
 
 
-def get(name):
-    """The Fix declaration of fix ``name`` (its module is imported)."""
-    return lifecycle(name).fix
+def get(name: str) -> "Fix":
+    """The Fix of fix ``name`` (its module is imported)."""
+    from .fixes import Fix
+
+    found = lifecycle(name).fix
+    if not isinstance(found, Fix):
+        raise TypeError(f"fix {name!r}: its module's FIX must be a mtp_overlay.fixes.Fix, got {found!r}")
+    return found
 
 
-def _select(names_or_name):
+def _select(names_or_name: "str | Iterable[str] | None") -> "list[str]":
     if names_or_name is None:
         return names()
     selected = [names_or_name] if isinstance(names_or_name, str) else list(names_or_name)
@@ -92,7 +70,7 @@ def _select(names_or_name):
 STRICT_ON, STRICT_OFF = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
 
 
-def strict_from_env():
+def strict_from_env() -> bool:
     """``MTP_OVERLAY_STRICT``: on for 1/true/yes/on, off for unset/0/false/no/off (any case); anything
     else is a typo the user must hear about: off, with a warning."""
     raw = os.environ.get("MTP_OVERLAY_STRICT", "")
@@ -105,7 +83,7 @@ def strict_from_env():
     return False
 
 
-def _warn(message):
+def _warn(message: str) -> None:
     import warnings
 
     from .contract import OverlayWarning
@@ -113,7 +91,7 @@ def _warn(message):
     warnings.warn(OverlayWarning("mtp-overlay: " + message), stacklevel=4)
 
 
-def disabled_from_env(strict=False):
+def disabled_from_env(strict: bool = False) -> "set[str]":
     """Names switched off by ``MTP_OVERLAY_DISABLE=name,name`` or ``=all``.
 
     An unknown name is a typo the user must hear about, but runs at import (often from the startup
@@ -138,28 +116,30 @@ class _Hook:
 
     __slots__ = ("name",)
 
-    def __init__(self, name):
+    def __init__(self, name: str) -> None:
         self.name = name
 
-    def __call__(self, module):
+    def __call__(self, module: "ModuleType") -> None:
         lifecycle(self.name).on_import(module)
 
-    def failed(self, target, error):
+    def failed(self, target: str, error: BaseException) -> None:
         lifecycle(self.name).cannot_hook(target, error)
 
 
-def _callback(name):
+def _callback(name: str) -> _Hook:
     found = _callbacks.get(name)
     if found is None:
         found = _callbacks.setdefault(name, _Hook(name))
     return found
 
 
-def install(only=None, skip=(), strict=None):
+def install(only: "str | Iterable[str] | None" = None, skip: "str | Iterable[str] | None" = (),
+            strict: "bool | None" = None) -> None:
     """Install the selected fixes: each waits for its target modules (at once if already imported).
 
     ``only``/``skip``: fix ids. ``strict`` (default ``MTP_OVERLAY_STRICT``): drift and hook failures
-    raise OverlayError instead of warning.
+    raise OverlayError instead of warning. A fix whose required fix (its declaration's ``requires``)
+    is disabled is not installed: `State.FAILED`, naming it.
     """
     if strict is None:
         strict = strict_from_env()
@@ -167,89 +147,146 @@ def install(only=None, skip=(), strict=None):
         raise TypeError(f"install(strict=...) must be True, False or None (MTP_OVERLAY_STRICT), got {strict!r}")
     skipped = set(_select(skip or ()))
     env_disabled = disabled_from_env(strict)
-    for name in _select(only):
+    asked = set(_select(only))
+    selected = [name for name in names() if name in asked]  # the table's order: wrappers stack as declared
+    for name in selected:
         if name in env_disabled or name in skipped:
             _remove(name, "disabled by " + ("MTP_OVERLAY_DISABLE" if name in env_disabled else "install(skip=...)"))
+    for name in selected:
+        if name in env_disabled or name in skipped:
             continue
-        known = _lifecycles.get(name)
+        _disabled.pop(name, None)
+        blocked = [f"fix {required!r}, which is {_disabled[required]}" for required in table.REQUIRES.get(name, ())
+                   if required in _disabled]
+        if blocked:
+            _refuse(name, strict, "requires " + "; ".join(blocked))
+            continue
+        known = _lifecycle_if_made(name)
         if known is None:
             _strict[name] = strict
         else:
-            known.disabled_reason, known.strict = None, strict
-        for target in dict(FIXES)[name]:
+            known.enable(strict)
+        for target in dict(table.FIXES)[name]:
             if known is not None and known.handled(target):  # probed (and installed) already
                 continue
             if hooks.when_imported(target, _callback(name)):
                 lifecycle(name).late = True
 
 
-def uninstall(only=None):
+def _lifecycle_if_made(name: str) -> "Lifecycle | None":
+    """Fix ``name``'s Lifecycle if one exists already (none does before the first target's import:
+    ``import mtp_overlay`` must not load the lifecycle machinery)."""
+    import sys
+
+    made = sys.modules.get(__package__ + ".lifecycle")
+    return None if made is None else made._lifecycles.get(name)
+
+
+def _refuse(name: str, strict: bool, reason: str) -> None:
+    for target in dict(table.FIXES)[name]:
+        hooks.cancel(target, _callback(name))
+    found = lifecycle(name)
+    found.strict = strict
+    found.fail(reason)
+
+
+def uninstall(only: "str | Iterable[str] | None" = None) -> None:
     """Remove the selected fixes: cancel waiting hooks, restore every original object."""
     for name in _select(only):
         _remove(name, "uninstalled")
 
 
-def _remove(name, reason):
-    for target in dict(FIXES)[name]:
+def _remove(name: str, reason: str) -> None:
+    for target in dict(table.FIXES)[name]:
         hooks.cancel(target, _callback(name))
+    _disabled[name] = reason
     lifecycle(name).disable(reason)
 
 
-def status(only=None):
+def status(only: "str | Iterable[str] | None" = None, *,
+           patched: "Callable[[Declaration], bool | None] | None" = None) -> "list[FixStatus]":
     """One FixStatus per fix: its state in this process (`State.RUNTIME`), upstream distribution and
-    version, reason, late, and ``patched``: its source patch on disk (None: no variant fits)."""
+    version, reason, late, and ``patched``: what ``patched(declaration)`` says of its source patch on
+    disk (True, False, None: no patch fits; the CLI hands in `mtp_overlay.patching.survey.patched_on_disk`),
+    None when no ``patched`` is given."""
     from .contract import FixStatus, State, distribution_version
-    from .patching.survey import patched_on_disk
 
     rows = []
     for name in _select(only):
         found = lifecycle(name)
-        fix = found.fix
+        declaration = found.declaration
         state, reason = found.state()
-        version = distribution_version(fix.distribution)
+        version = distribution_version(declaration.distribution)
         if version is None and state == State.PENDING:
-            state, reason = State.ABSENT, f"{fix.distribution} is not installed"
-        patched = patched_on_disk(fix) if version is not None else None
-        rows.append(FixStatus(fix, version, state, reason, found.late, patched))
+            state, reason = State.ABSENT, f"{declaration.distribution} is not installed"
+        on_disk = patched(declaration) if patched is not None and version is not None else None
+        rows.append(FixStatus(declaration, version, state, reason, found.late, on_disk))
     return rows
 
 
-def check(only=None):
+def check(only: "str | Iterable[str] | None" = None, *,
+          stock_run: "Callable[[str], tuple[bool, str]] | None" = None) -> "list[FixStatus]":
     """Probe every fix against the installed upstream code (imports its targets): the CI question.
 
     One FixStatus per fix with its ``verdict`` (`State.VERDICTS`): needed / redundant / drifted /
     failed, ``absent`` without the distribution, ``unsupported`` when a target does not import on
     this stack. A target module missing from the installed release is skipped; all missing is drift.
+
+    ``stock_run``: ``fix id -> (bug shows, evidence)``, the fix's stock code path run with the fix
+    off (the test bed's `mtp_overlay.testing.reproducers.stock_run`), raising an exception whose
+    one-line ``str()`` says why when it cannot run. Given one, every row the probe finds needed or
+    redundant is run too; its `StockRun` goes in ``row.run``, and a run that behaves the other way
+    than the probe reads makes the verdict `State.DISAGREES` (an upstream fix in another spelling).
     """
     import importlib
 
-    from .contract import FixStatus, State, Verdict, distribution_version, drifted
+    from .contract import FixStatus, State, StockRun, Verdict, distribution_version, drifted
     from .lifecycle import judge
 
     rows = []
     for name in _select(only):
         found = lifecycle(name)
-        fix = found.fix
+        declaration = found.declaration
         state = found.state()[0]
-        version = distribution_version(fix.distribution)
+        version = distribution_version(declaration.distribution)
         if version is None:
-            rows.append(FixStatus(fix, None, state, f"{fix.distribution} is not installed", verdict=State.ABSENT))
-            continue
-        verdicts, missing = [], []
-        for target in found.targets:
-            try:
-                module = importlib.import_module(target)
-            except Exception as exc:
-                gone = isinstance(exc, ModuleNotFoundError) and exc.name is not None
-                if gone and (target == exc.name or target.startswith(exc.name + ".")):
-                    missing.append(target)
-                else:
-                    verdicts.append((target, Verdict(State.UNSUPPORTED, f"import failed: {type(exc).__name__}: {exc}")))
-                continue
-            verdicts.append((target, judge(fix, module)))
-        if not verdicts:
-            verdicts.append((", ".join(missing), drifted("no target module exists in this release")))
-        verdict = next(s for s in State.VERDICT_PRIORITY if any(v.state == s for _, v in verdicts))
-        reason = "; ".join(f"{t}: {v.reason}" if v.reason else t for t, v in verdicts if v.state == verdict)
-        rows.append(FixStatus(fix, version, state, reason, verdict=verdict))
+            row = FixStatus(declaration, None, state, f"{declaration.distribution} is not installed", verdict=State.ABSENT)
+        else:
+            verdicts, missing = [], []
+            for target in found.targets:
+                try:
+                    module = importlib.import_module(target)
+                except Exception as exc:
+                    gone = exc.name if isinstance(exc, ModuleNotFoundError) else None
+                    if gone and (target == gone or target.startswith(f"{gone}.")):
+                        missing.append(target)
+                    else:
+                        verdicts.append((target, Verdict(State.UNSUPPORTED, f"import failed: {type(exc).__name__}: {exc}")))
+                    continue
+                verdicts.append((target, judge(found.fix, module)))
+            if not verdicts:
+                verdicts.append((", ".join(missing), drifted("no target module exists in this release")))
+            verdict = next(s for s in State.VERDICT_PRIORITY if any(v.state == s for _, v in verdicts))
+            reason = "; ".join(f"{t}: {v.reason}" if v.reason else t for t, v in verdicts if v.state == verdict)
+            row = FixStatus(declaration, version, state, reason, verdict=verdict)
+        if stock_run is not None:
+            row.run = _stock_run(row, stock_run)
+            if row.run.outcome is not None and row.run.outcome != row.verdict:
+                row.reason = (f"the probe says {row.verdict} ({row.reason}) but the stock run says "
+                              f"{row.run.outcome}: {row.run.evidence}")
+                row.verdict = State.DISAGREES
+        rows.append(row)
     return rows
+
+
+def _stock_run(row: "FixStatus", stock_run: "Callable[[str], tuple[bool, str]]") -> "StockRun":
+    """Run ``row``'s stock path when its probe found needed or redundant; what it showed."""
+    from .contract import State, StockRun
+
+    if row.verdict not in (State.NEEDED, State.REDUNDANT):
+        return StockRun(None, f"not run: the probe says {row.verdict}")
+    try:
+        shows, evidence = stock_run(row.name)
+    except Exception as exc:  # the test bed's StockPathNotRun, or another one-line reason it could not run
+        return StockRun(None, str(exc) or type(exc).__name__)
+    return StockRun(State.NEEDED if shows else State.REDUNDANT, evidence)

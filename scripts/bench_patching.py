@@ -16,7 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from mtp_overlay import registry
+from mtp_overlay import declarations
 from mtp_overlay.contract import State
 from mtp_overlay.patching import engine
 from mtp_overlay.patching.locate import find_distribution
@@ -39,7 +39,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=5, help="runs per measurement; the median is printed")
     repeat = parser.parse_args().repeat
-    fixes, manifest = [registry.get("mtp-sp-scatter")], load()
+    fixes, manifest = [declarations.load("mtp-sp-scatter")], load()
     with tempfile.TemporaryDirectory(prefix="bench-patching-") as scratch:
         site = copy_installed("megatron-core", Path(scratch) / "site")
         patch = manifest.patch_path(fixes[0], fixes[0].family_of(find_distribution("megatron-core", [site]).version))

@@ -10,7 +10,7 @@ import json
 import sys
 from pathlib import Path
 
-from mtp_overlay import registry
+from mtp_overlay import declarations
 from mtp_overlay.contract import distribution_version
 from mtp_overlay.patching.manifest import DEFAULT_PATH, FORMAT
 from mtp_overlay.testing.patch_images import measure, patches_for, released_files
@@ -30,7 +30,7 @@ def main(extra):
     releases = {(dist, version) for dist, versions in manifest.items() if isinstance(versions, dict)
                 for version in versions}
     releases |= {tuple(item.split("==")) for item in extra}
-    fixes = [registry.get(name) for name in registry.names()]
+    fixes = declarations.every()
     measured = {"format": FORMAT, "about": ABOUT}
     for distribution, version in sorted(releases):
         patches = patches_for(fixes, distribution, version, path.parent)

@@ -21,14 +21,13 @@ from pathlib import Path
 
 from packaging.version import Version
 
-from mtp_overlay import registry
+from mtp_overlay import declarations
 from mtp_overlay.contract import distribution_version
 from mtp_overlay.testing.releases import megatron_main_site, release_site, run_with_release, snapshot_of
 
-RELEASES = {
+RELEASES = {  # a distribution not named here is measured at the venv's pinned release only
     "megatron-core": ["0.14.0", "0.15.3", "0.16.1", "0.17.1", "0.18.2", "0.19.2"],
     "vllm": ["0.25.1", "0.33.0"],
-    "ray": [None],  # None: the venv's pinned release
 }
 ROOT = Path(__file__).resolve().parents[1]
 SUPPORT = ROOT / "docs" / "SUPPORT.md"
@@ -40,29 +39,30 @@ MEASURE = """
 import json, warnings
 warnings.simplefilter("ignore")
 from mtp_overlay import registry
-from mtp_overlay.contract import State
-from mtp_overlay.testing.reproducers import StockPathNotRun, stock_run
-rows = []
-for name in registry.names():
-    if registry.get(name).distribution != {distribution!r}:
-        continue
-    row = registry.check([name])[0].as_dict()
-    if row["verdict"] not in (State.NEEDED, State.REDUNDANT):
-        row["run"] = f"not run: the probe says {{row['verdict']}}"
-    else:
-        try:
-            shows, evidence = stock_run(name)
-            row["run"] = (State.NEEDED if shows else State.REDUNDANT) + ": " + evidence
-        except StockPathNotRun as exc:
-            row["run"] = str(exc)
-    rows.append(row)
+from mtp_overlay.testing.reproducers import stock_run
+rows = [dict(row.as_dict(), run=str(row.run)) for row in registry.check({names!r}, stock_run=stock_run)]
 print("MATRIX " + json.dumps(rows))
 """
 
 
+def fixes_by_distribution():
+    """distribution -> the ids of its fixes, in the table's order: every declared fix gets rows."""
+    found = {}
+    for declaration in declarations.every():
+        found.setdefault(declaration.distribution, []).append(declaration.name)
+    return found
+
+
+def releases_of(distribution):
+    """The releases of ``distribution`` to measure (None: the venv's pinned one)."""
+    return RELEASES.get(distribution, [None])
+
+
 def measure(distribution, site):
-    """The rows of every fix of ``distribution``, measured with ``site`` first on the path ("" for the venv's)."""
-    result = run_with_release(site, MEASURE.format(distribution=distribution), timeout=1800)
+    """The rows of every fix of ``distribution``, measured with ``site`` first on the path ("" for the venv's):
+    `mtp_overlay.check` with the test bed's stock runs, each row's run in the one wording (`StockRun`)."""
+    code = MEASURE.format(names=fixes_by_distribution()[distribution])
+    result = run_with_release(site, code, timeout=1800)
     lines = [line for line in result.stdout.splitlines() if line.startswith("MATRIX ")]
     if result.returncode or not lines:
         raise SystemExit(f"{distribution} from {site or 'the venv'}: measurement failed\n{result.stderr[-3000:]}")
@@ -104,8 +104,8 @@ def main(argv=None):
     args = parse_args(argv)
     snapshot = main_snapshot(args.megatron_main) if args.megatron_main else None
     rows = []
-    for distribution, versions in RELEASES.items():
-        for version in versions:
+    for distribution in fixes_by_distribution():
+        for version in releases_of(distribution):
             print(f"measuring {distribution} {version or distribution_version(distribution)}", file=sys.stderr)
             rows += measure(distribution, release_site(distribution, version) if version else "")
     if snapshot is not None:
@@ -115,12 +115,12 @@ def main(argv=None):
             if row["version"] != facts["version"]:
                 raise SystemExit(f"{snapshot}: megatron-core answered {row['version']}, not the snapshot's {facts['version']}")
             rows.append(dict(row, label=MAIN_LABEL.format(**facts)))
-    order = registry.names()
+    order = declarations.names()
     rows.sort(key=lambda row: (order.index(row["name"]), "label" in row, Version(row["version"])))
     kept = [] if snapshot is not None or not SUPPORT.exists() else [
         line for line in SUPPORT.read_text().splitlines() if MAIN_ROW.match(line)
     ]
-    pins = {fix.distribution: distribution_version(fix.distribution) for fix in map(registry.get, order)}
+    pins = {distribution: distribution_version(distribution) for distribution in fixes_by_distribution()}
     lines = [
         "# Support matrix",
         "",

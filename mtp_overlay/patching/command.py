@@ -7,6 +7,10 @@ Exit codes: 0 done; 1 a needed patch could not be applied or reverted (mismatch,
 import json
 import sys
 
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from ..contract import Declaration
+
 
 def add_parser(commands):
     """Add the ``patch`` subcommand to ``commands`` (an argparse subparsers object)."""
@@ -33,13 +37,13 @@ def add_parser(commands):
     return patch
 
 
-def patched_fixes(only=None):
-    """The Fix declarations that ship source patches (those of ``only``, which must all ship one)."""
-    from .. import registry
+def patched_fixes(only: "list[str] | None" = None) -> "list[Declaration]":
+    """The declarations of the fixes that ship source patches (those of ``only``, which must all ship one)."""
+    from .. import declarations
 
     if only is None:
-        return [fix for fix in map(registry.get, registry.names()) if fix.families]
-    fixes = [registry.get(name) for name in only]
+        return [declaration for declaration in declarations.every() if declaration.families]
+    fixes = [declarations.load(name) for name in only]
     unpatched = [fix.name for fix in fixes if not fix.families]
     if unpatched:
         shipped = ", ".join(fix.name for fix in patched_fixes())

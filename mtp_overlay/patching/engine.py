@@ -21,7 +21,7 @@ _NO_OP = {
 
 
 def run(command, fixes, manifest, dirs=None, dry_run=False):
-    """Run ``command`` on ``fixes`` (Fix declarations) with ``manifest``: one Report each.
+    """Run ``command`` on ``fixes`` (their Declarations) with ``manifest``: one Report each.
 
     apply/revert are all-or-nothing across every file of every fix: one mismatch or failure and
     nothing is written. ``dry_run`` decides and verifies everything, then writes nothing. A

@@ -2,7 +2,7 @@
 
 For each distribution, release and touched file: the file's sha256 as released (``"released"``) and
 with each set of fixes' patches applied (key: the fix ids, sorted, joined by ``+``). Nothing else:
-which patch fits which release is the fix's own declaration (`Fix.families`, patch
+which patch fits which release is the fix's own declaration (`Declaration.families`, patch
 ``<fix id>/<distribution>/<family>.patch`` beside the manifest), and so is its redundancy marker.
 Written by ``scripts/measure_patches.py`` from the real releases, never by hand.
 

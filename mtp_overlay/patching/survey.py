@@ -52,7 +52,7 @@ class Report:
 
 
 def survey(fix, manifest, dirs=None, verify=True):
-    """The on-disk state of ``fix`` (a Fix declaration) in ``dirs`` (default: sys.path); nothing written.
+    """The on-disk state of ``fix`` (its Declaration) in ``dirs`` (default: sys.path); nothing written.
 
     ``verify``: prove a `State.NEEDED` patch applies cleanly (runs ``git apply`` on a scratch copy).
     """

@@ -38,9 +38,9 @@ def host_streams(module=None):
 
     stream = HostStream()
     if module is None:
-        from mtp_overlay import registry
+        from mtp_overlay import declarations
 
-        module = importlib.import_module(registry.get("device-normalized-broadcast").targets[0])
+        module = importlib.import_module(declarations.load("device-normalized-broadcast").target("packed_tensor"))
     replacements = [
         (torch.cuda, "Stream", lambda *args, **kwargs: stream),  # vLLM 0.25.1 makes its streams directly
         (torch.accelerator, "current_device_index", lambda: 0),

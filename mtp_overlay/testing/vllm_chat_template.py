@@ -216,6 +216,7 @@ def observe(work, stock=True, multimodal=True):
     from vllm.config import ModelConfig
 
     from mtp_overlay import registry
+    from mtp_overlay.patching.survey import patched_on_disk
 
     vs.offline_environment()
     work = Path(work)
@@ -237,7 +238,7 @@ def observe(work, stock=True, multimodal=True):
         switch(True)
         shutil.rmtree(public)
     row = registry.check([NAME])[0]  # imports every target: the installed fix has seen them all
-    status = registry.status([NAME])[0]
+    status = registry.status([NAME], patched=patched_on_disk)[0]
     observed["check"] = [row.verdict, row.reason]
     wrapped = [f"{owner.__name__}.{attribute}" for owner, attribute in registry.lifecycle(NAME).wrapped()]
     observed["status"] = {"state": status.state, "patched": status.patched, "wrapped": wrapped}

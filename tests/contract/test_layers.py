@@ -1,9 +1,11 @@
-"""One-way layers: the product never imports its test bed, and ``import mtp_overlay`` loads only the
-registry's table and the import trigger.
+"""One-way layers: the product's import graph has no circle, every import points down the layers, the
+product never imports its test bed, and ``import mtp_overlay`` loads only the generated table, the
+registry and the import trigger.
 
 Product: every module of ``mtp_overlay`` but ``mtp_overlay.testing`` (the test bed, which imports
-the product) and ``mtp_overlay.upstream_tests`` (tests shipped with the package). The only ways from
-product to test bed are the CLI's ``demo`` and ``check --run``, importing it inside those commands.
+the product) and ``mtp_overlay.upstream_tests`` (tests shipped with the package). Imports inside
+functions count. The only ways from product to test bed are the CLI's ``demo`` and ``check --run``,
+importing it inside those commands.
 """
 
 import ast
@@ -15,7 +17,18 @@ import mtp_overlay
 
 PACKAGE = Path(mtp_overlay.__file__).parent
 TEST_CODE = ("testing", "upstream_tests")
-ALLOWED = {("cli.py", "_demo"), ("cli.py", "_cross_check")}  # (module file, function) that may import the test bed
+ALLOWED = {("cli.py", "_demo"), ("cli.py", "_check")}  # (module file, function) that may import the test bed
+# a product module may import only modules of a lower layer, or of its own package; the first part of
+# its name below mtp_overlay decides (fixes: the Fix base and every fix; mtp: the trainer library)
+LAYERS = (
+    {"contract", "calls", "table", "startup"},  # import nothing of ours
+    {"hooks", "declarations", "mtp"},
+    {"lifecycle"},
+    {"fixes"},
+    {"patching", "generated"},
+    {"registry", "scaffold"},
+    {"cli", "__init__"},
+)
 
 
 def product_modules():
@@ -51,6 +64,67 @@ def imported_names(tree, module, is_package):
     yield from visit(tree, None)
 
 
+def import_graph():
+    """product module -> the product modules it imports (anywhere in it), ``mtp_overlay`` itself left out
+    (every submodule's import runs it: it is the top, not an edge)."""
+    modules = {module_name(relative): (relative, path) for relative, path in product_modules()}
+    graph = {}
+    for name, (relative, path) in modules.items():
+        found = set()
+        for imported, _ in imported_names(ast.parse(path.read_text(), str(path)), name, relative.name == "__init__.py"):
+            while imported and imported not in modules:
+                imported = imported.rpartition(".")[0]
+            if imported and imported not in (name, "mtp_overlay"):
+                found.add(imported)
+        graph[name] = found
+    return graph
+
+
+def circle(graph):
+    """One import circle of ``graph`` as a list of modules (first == last), or None."""
+    state, stack = {}, []
+
+    def walk(node):
+        state[node] = "open"
+        stack.append(node)
+        for other in sorted(graph[node]):
+            if state.get(other) == "open":
+                return stack[stack.index(other):] + [other]
+            if other not in state and (found := walk(other)):
+                return found
+        stack.pop()
+        state[node] = "done"
+        return None
+
+    return next((found for node in sorted(graph) if node not in state and (found := walk(node))), None)
+
+
+def layer(module):
+    part = module.split(".")[1] if "." in module else "__init__"
+    return next(index for index, names in enumerate(LAYERS) if part in names)
+
+
+def test_the_product_import_graph_has_no_circle():
+    assert circle(import_graph()) is None
+
+
+def test_every_product_import_points_down_the_layers():
+    upward = [f"{module} imports {other}" for module, imported in import_graph().items() for other in imported
+              if layer(other) > layer(module) or (layer(other) == layer(module) and
+                                                  other.split(".")[:2] != module.split(".")[:2])]
+    assert upward == []
+
+
+def test_the_graph_tests_see_a_circle_and_a_function_level_import():
+    assert circle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert circle({"a": {"b"}, "b": set()}) is None
+    tree = ast.parse("def reproduce():\n    from ...testing.launcher import run_ranks\n")
+    names = list(imported_names(tree, "mtp_overlay.fixes.some_fix", is_package=True))
+    assert ("mtp_overlay.testing.launcher", "reproduce") in names
+    assert layer("mtp_overlay.contract") < layer("mtp_overlay.lifecycle") < layer("mtp_overlay.registry")
+    assert layer("mtp_overlay.patching.survey") < layer("mtp_overlay.registry")
+
+
 def test_no_product_module_imports_the_test_bed():
     offenders = []
     for relative, path in product_modules():
@@ -62,16 +136,10 @@ def test_no_product_module_imports_the_test_bed():
     assert offenders == []
 
 
-def test_the_import_graph_test_sees_a_product_import_of_the_test_bed():
-    tree = ast.parse("def reproduce():\n    from ...testing.launcher import run_ranks\n")
-    names = list(imported_names(tree, "mtp_overlay.fixes.some_fix", is_package=True))
-    assert ("mtp_overlay.testing.launcher", "reproduce") in names
-
-
-def test_import_loads_only_the_registry_and_the_trigger():
+def test_import_loads_only_the_table_the_registry_and_the_trigger():
     code = "import sys; before = set(sys.modules); import mtp_overlay; print(sorted(set(sys.modules) - before))"
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert eval(loaded) == ["mtp_overlay", "mtp_overlay.hooks", "mtp_overlay.registry"]
+    assert eval(loaded) == ["mtp_overlay", "mtp_overlay.hooks", "mtp_overlay.registry", "mtp_overlay.table"]
 
 
 def test_every_product_module_imports_without_the_test_bed():

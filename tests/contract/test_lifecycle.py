@@ -17,8 +17,9 @@ import pytest
 import wrapt
 import wrapt.importer
 
-from mtp_overlay import OverlayError, OverlayWarning, State, hooks, registry
-from mtp_overlay.contract import Fix, Provenance, drifted, needed
+from mtp_overlay import OverlayError, OverlayWarning, State, hooks, lifecycle, registry, table
+from mtp_overlay.contract import Declaration, Provenance, drifted, needed
+from mtp_overlay.fixes import Fix
 from mtp_overlay.lifecycle import Lifecycle
 from mtp_overlay.testing import HEAVY_IMPORTS
 
@@ -33,14 +34,15 @@ class Target:
 
 
 class DoublingFix(Fix):
-    """Doubles `Target.compute`; its probe can be told to fail or to report drift."""
+    """Doubles `Target.compute`; its probe can be told to fail or to report drift. Its targets' roles
+    are t0, t1, ... in the order given."""
 
-    summary = "test fix"
-    distribution = "pytest"
-    provenance = Provenance("tests")
-
-    def __init__(self, *targets, behaviour="needed", name="test-doubling"):
-        self.name, self.target_names, self.behaviour = name, targets, behaviour
+    def __init__(self, *targets, behaviour="needed", name="test-doubling", requires=(), reads=()):
+        self.declaration = Declaration(
+            name, summary="test fix", symptom="Target.compute adds one", distribution="pytest",
+            targets={f"t{index}": target for index, target in enumerate(targets)}, provenance=Provenance("tests"),
+            requires=requires, reads=reads)
+        self.behaviour = behaviour
 
     def probe(self, module):
         if self.behaviour == "raise":
@@ -76,8 +78,11 @@ def register(monkeypatch):
 
     def add(fix):
         added.append(fix)
-        monkeypatch.setattr(registry, "FIXES", registry.FIXES + [(fix.name, fix.target_names)])
-        monkeypatch.setitem(registry._lifecycles, fix.name, Lifecycle(fix.name, fix.target_names, fix))
+        modules = fix.declaration.modules
+        monkeypatch.setattr(table, "FIXES", table.FIXES + ((fix.name, modules),))
+        if fix.declaration.requires:
+            monkeypatch.setattr(table, "REQUIRES", {**table.REQUIRES, fix.name: fix.declaration.requires})
+        monkeypatch.setitem(lifecycle._lifecycles, fix.name, Lifecycle(fix.name, modules, fix))
         return fix
 
     yield add
@@ -118,7 +123,7 @@ def test_exception_in_hook_never_breaks_the_import(target, register):
     fix = register(DoublingFix(target(), behaviour="raise"))
     registry.install(only=[fix.name], strict=False)
     with pytest.warns(OverlayWarning, match="probe exploded"):
-        module = importlib.import_module(fix.targets[0])
+        module = importlib.import_module(fix.target("t0"))
     assert module.Target().compute(1) == 2  # upstream untouched and usable
     row = registry.status(only=[fix.name])[0]
     assert row.state == State.FAILED and "probe exploded" in row.reason
@@ -128,19 +133,19 @@ def test_strict_mode_raises_on_hook_failure_and_drift(target, register):
     fix = register(DoublingFix(target(), behaviour="raise"))
     registry.install(only=[fix.name], strict=True)
     with pytest.raises(OverlayError, match="probe exploded"):
-        importlib.import_module(fix.targets[0])
+        importlib.import_module(fix.target("t0"))
 
     drifting = register(DoublingFix(target(), behaviour="drift", name="test-drifting"))
     registry.install(only=[drifting.name], strict=True)
     with pytest.raises(OverlayError, match="Target.compute is gone"):
-        importlib.import_module(drifting.targets[0])
+        importlib.import_module(drifting.target("t0"))
 
 
 def test_drift_warns_and_leaves_upstream_alone(target, register):
     fix = register(DoublingFix(target(), behaviour="drift"))
     registry.install(only=[fix.name], strict=False)
     with pytest.warns(OverlayWarning, match="Target.compute is gone"):
-        module = importlib.import_module(fix.targets[0])
+        module = importlib.import_module(fix.target("t0"))
     assert module.Target().compute(1) == 2
     assert registry.status(only=[fix.name])[0].state == State.DRIFTED
 
@@ -150,7 +155,7 @@ def test_strict_from_environment(target, register, monkeypatch):
     fix = register(DoublingFix(target(), behaviour="drift"))
     registry.install(only=[fix.name])
     with pytest.raises(OverlayError):
-        importlib.import_module(fix.targets[0])
+        importlib.import_module(fix.target("t0"))
 
 
 def test_install_twice_never_stacks_and_uninstall_restores_identity(target, register):
@@ -319,7 +324,7 @@ def test_status_cli_json_has_a_row_per_fix():
 
 
 def test_unknown_fix_name_is_refused():
-    with pytest.raises(ValueError, match="expected one of mtp-sp-scatter"):
+    with pytest.raises(ValueError, match="unknown fix .nope.: expected one of .*mtp-sp-scatter"):
         registry.install(only=["nope"])
 
 
@@ -329,9 +334,9 @@ def test_warnings_escalated_to_errors_stop_the_import_and_the_state_stays_drift(
     with warnings.catch_warnings():
         warnings.simplefilter("error", OverlayWarning)
         with pytest.raises(OverlayWarning, match="Target.compute is gone"):
-            importlib.import_module(fix.targets[0])
+            importlib.import_module(fix.target("t0"))
     row = registry.status(only=[fix.name])[0]
-    assert (row.state, row.reason) == (State.DRIFTED, f"{fix.targets[0]}: Target.compute is gone")  # said once
+    assert (row.state, row.reason) == (State.DRIFTED, f"{fix.target("t0")}: Target.compute is gone")  # said once
 
 
 def test_the_command_line_way_to_escalate_overlay_warnings_works_in_the_default_install():
@@ -353,7 +358,7 @@ def test_an_unrecognised_strict_switch_warns_and_stays_off(target, register, mon
     with pytest.warns(OverlayWarning, match=f"MTP_OVERLAY_STRICT='{value}' is not one of"):
         registry.install(only=[fix.name])
     with pytest.warns(OverlayWarning, match="Target.compute is gone"):  # warned, not raised: off
-        importlib.import_module(fix.targets[0])
+        importlib.import_module(fix.target("t0"))
 
 
 def test_install_takes_strict_as_a_bool_and_skip_as_none_too(target, register):
@@ -426,7 +431,7 @@ class NeedsAMovedModule(DoublingFix):
     """Its probe of the second target imports the first, which upstream has moved away."""
 
     def probe(self, module):
-        importlib.import_module(self.target_names[0])
+        importlib.import_module(self.target("t0"))
         return needed()
 
 
@@ -440,3 +445,62 @@ def test_a_moved_target_gets_one_answer_from_the_runtime_and_from_check(target, 
     checked = registry.check([fix.name])[0]
     assert runtime.state == checked.verdict == State.DRIFTED and checked.verdict in State.FAILING
     assert runtime.reason == checked.reason == f"{present}: target module {moved} does not exist in this release (moved?)"
+
+
+def test_a_fix_whose_required_fix_is_disabled_fails_naming_it_until_that_fix_is_back(target, register):
+    base = register(DoublingFix(target(), name="test-base"))
+    dependent = register(DoublingFix(target(), name="test-dependent", requires=(base.name,)))
+    with pytest.warns(OverlayWarning, match="requires fix 'test-base', which is disabled by install"):
+        registry.install(only=[base.name, dependent.name], skip=[base.name])
+    row = registry.status(only=[dependent.name])[0]
+    assert row.state == State.FAILED and row.reason == "requires fix 'test-base', which is disabled by install(skip=...)"
+    module = importlib.import_module(dependent.target("t0"))
+    assert module.Target().compute(1) == 2  # not installed
+    registry.install(only=[base.name, dependent.name])
+    assert registry.status(only=[dependent.name])[0].state == State.INSTALLED and module.Target().compute(1) == 4
+    registry.uninstall(only=[base.name])
+    with pytest.raises(OverlayError, match="requires fix 'test-base', which is uninstalled"):
+        registry.install(only=[dependent.name], strict=True)
+    assert module.Target().compute(1) == 2 and registry.status(only=[dependent.name])[0].state == State.FAILED
+
+
+def test_a_fix_reads_the_state_of_a_fix_it_declares_and_of_no_other(target, register):
+    base = register(DoublingFix(target(), name="test-base"))
+    reader = register(DoublingFix(target(), name="test-reader", reads=(base.name,)))
+    registry.install(only=[base.name])
+    assert reader.peer_state(base.name) == (State.PENDING, f"waiting for import of {base.target('t0')}")
+    registry.uninstall(only=[base.name])
+    assert reader.peer_state(base.name) == (State.DISABLED, "uninstalled")
+    with pytest.raises(ValueError, match="fix 'test-base' reads the state of 'test-reader' but does not declare it"):
+        base.peer_state(reader.name)
+
+
+def test_check_with_a_stock_run_says_where_the_probe_and_the_run_disagree(target, register):
+    """`check(stock_run=...)` is the one place a probe verdict and a stock run become `disagrees`."""
+    needed_fix = register(DoublingFix(target(), name="test-needed"))
+    drifting = register(DoublingFix(target(), behaviour="drift", name="test-drifting"))
+    ran = []
+
+    def stock_run(shows, evidence):
+        def run(name):
+            ran.append(name)
+            return shows, evidence
+
+        return run
+
+    def cannot_run(name):
+        raise RuntimeError("could not run the stock path on pytest 0: no GPU; the test bed needs updating")
+
+    agree = registry.check([needed_fix.name], stock_run=stock_run(True, "the bug shows"))[0]
+    assert (agree.verdict, agree.reason, str(agree.run)) == (State.NEEDED, needed_fix.target("t0"), "needed: the bug shows")
+    differ = registry.check([needed_fix.name], stock_run=stock_run(False, "no bug"))[0]
+    assert differ.verdict == State.DISAGREES and differ.verdict in State.FAILING
+    assert differ.reason == f"the probe says needed ({needed_fix.target('t0')}) but the stock run says redundant: no bug"
+    assert differ.as_dict()["run"] == {"outcome": State.REDUNDANT, "evidence": "no bug"}
+    not_run = registry.check([needed_fix.name], stock_run=cannot_run)[0]
+    assert (not_run.verdict, not_run.run.outcome) == (State.NEEDED, None)
+    assert str(not_run.run) == "could not run the stock path on pytest 0: no GPU; the test bed needs updating"
+    ran.clear()
+    drift = registry.check([drifting.name], stock_run=stock_run(True, "never asked"))[0]
+    assert (drift.verdict, str(drift.run), ran) == (State.DRIFTED, "not run: the probe says drifted", [])
+    assert registry.check([needed_fix.name])[0].run is None

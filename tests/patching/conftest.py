@@ -7,22 +7,16 @@ import json
 import pytest
 from test_patching import site_copy
 
-from mtp_overlay import registry
-from mtp_overlay.contract import Fix
-from mtp_overlay.lifecycle import Lifecycle
+from mtp_overlay import declarations, table
+from mtp_overlay.contract import Declaration, Provenance
 from mtp_overlay.testing.patch_images import measure, patches_for
 
 
-class CommentFix(Fix):
-    """A test-only fix whose 0.19 patch inserts a comment line into each of its files."""
-
-    summary = "test-only"
-
-    distribution = "megatron-core"
-    families = {"0.19": ">=0.19,<0.20"}
-
-    def __init__(self, name):
-        self.name = name
+def comment_fix(name):
+    """The declaration of a test-only fix whose 0.19 patch inserts a comment line into each of its files."""
+    return Declaration(name, summary="test-only", symptom="test-only", distribution="megatron-core",
+                       targets={"mtp": "megatron.core.transformer.multi_token_prediction"},
+                       families={"0.19": ">=0.19,<0.20"}, provenance=Provenance("tests"))
 
 
 @pytest.fixture
@@ -42,9 +36,9 @@ def test_fixes(site_0_19, tmp_path, monkeypatch):
             patch_file = folder / name / "megatron-core" / "0.19.patch"
             patch_file.parent.mkdir(parents=True)
             patch_file.write_text("Description: test-only patch\n---\n" + "".join(diff))
-            fix = CommentFix(name)
-            monkeypatch.setattr(registry, "FIXES", registry.FIXES + [(name, ())])
-            monkeypatch.setitem(registry._lifecycles, name, Lifecycle(name, (), fix))
+            fix = comment_fix(name)
+            monkeypatch.setattr(table, "FIXES", table.FIXES + ((name, fix.modules),))
+            monkeypatch.setitem(declarations._loaded, name, fix)
             fixes.append(fix)
         patches = patches_for(fixes, "megatron-core", "0.19.2", folder)
         released = {file: (site_0_19 / file).read_bytes() for files in files_of.values() for file in files}

@@ -41,21 +41,13 @@ def test_parallel_applies_on_one_site_serialize_and_every_process_reports_the_tr
 
 KILLED_BETWEEN_WRITES = """
 import os, sys
-from mtp_overlay import registry
-from mtp_overlay.lifecycle import Lifecycle
+from mtp_overlay.contract import Declaration, Provenance
 from mtp_overlay.patching import engine, transaction
 from mtp_overlay.patching.manifest import load
-from mtp_overlay.contract import Fix
 
-class CommentFix(Fix):
-    distribution = "megatron-core"
-    families = {"0.19": ">=0.19,<0.20"}
-    def __init__(self, name):
-        self.name = name
-
-fix = CommentFix("two-files")
-registry.FIXES.append((fix.name, ()))
-registry._lifecycles[fix.name] = Lifecycle(fix.name, (), fix)
+fix = Declaration("two-files", summary="test-only", symptom="test-only", distribution="megatron-core",
+                  targets={"mtp": "megatron.core.transformer.multi_token_prediction"},
+                  families={"0.19": ">=0.19,<0.20"}, provenance=Provenance("tests"))
 real_put, calls = transaction._put, []
 
 def put_then_die(path, data):

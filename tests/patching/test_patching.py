@@ -469,8 +469,9 @@ REPORT = """
 import json, warnings
 warnings.simplefilter("ignore")
 import mtp_overlay
+from mtp_overlay.patching.survey import patched_on_disk
 import megatron.core.transformer.multi_token_prediction as m
-row = mtp_overlay.status(only=["mtp-sp-scatter"])[0]
+row = mtp_overlay.status(only=["mtp-sp-scatter"], patched=patched_on_disk)[0]
 method = vars(m.MultiTokenPredictionLayer)["_get_embeddings"]
 print(json.dumps({"file": m.__file__, "state": row.state, "patched": row.patched,
                   "wrapped": type(method).__name__ == "FunctionWrapper",

@@ -153,6 +153,7 @@ def support_matrix(monkeypatch, tmp_path):
     support.write_text((ROOT / "docs" / "SUPPORT.md").read_text())
     monkeypatch.setattr(script, "SUPPORT", support)
     monkeypatch.setattr(script, "RELEASES", {"megatron-core": ["0.19.2"]})
+    monkeypatch.setattr(script, "fixes_by_distribution", lambda: {"megatron-core": ["mtp-sp-scatter", "mtp-loss-mask"]})
     monkeypatch.setattr(script, "release_site", lambda distribution, version: f"site-{version}")
     return script
 

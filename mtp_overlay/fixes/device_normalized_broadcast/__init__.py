@@ -18,10 +18,20 @@ producer (NeMo-RL's ``nemo_rl.utils.packed_tensor.packed_broadcast_producer``).
 
 import importlib
 
-from ...contract import Fix, Marker, Provenance, State, Verdict, drifted, needed, redundant
+from ...calls import argument, with_argument
+from ...contract import Marker, State, Verdict, drifted, needed, redundant
+from .. import Fix
+from .declaration import DECLARATION
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterable, Iterator
+    from types import ModuleType
+    from typing import Any
 
 PRODUCERS = ("packed_nccl_broadcast_producer", "packed_broadcast_producer")  # vLLM 0.33.0, older vLLM
-PRODUCER_PARAMETERS = ("iterator", "group", "src", "post_iter_func")
+PRODUCER_PARAMETERS = ("iterator", "group", "src", "post_iter_func")  # every producer starts so (the probe checks)
+GROUP, POST_ITER_FUNC = PRODUCER_PARAMETERS.index("group"), PRODUCER_PARAMETERS.index("post_iter_func")
 PACK_PARAMETERS = ("iterator", "post_iter_func", "buffer_size_bytes")
 ONE_BY_ONE_PATHS = (  # (class, method, its parameters): vLLM 0.33.0, vLLM 0.25.1
     ("NCCLTrainerWeightTransferEngine", "_broadcast", ("self", "source", "meta")),
@@ -29,7 +39,7 @@ ONE_BY_ONE_PATHS = (  # (class, method, its parameters): vLLM 0.33.0, vLLM 0.25.
 )
 
 
-def canonical_device(device):
+def canonical_device(device: "Any") -> "Any":
     """``device`` as torch names its tensors (``"cuda"`` -> ``cuda:<current index>``); checks it is usable."""
     import torch
 
@@ -41,12 +51,12 @@ def canonical_device(device):
         raise ValueError(f"device {device!r} is not a device this process can allocate on: {exc}") from exc
 
 
-def on_device(tensor, device):
+def on_device(tensor: "Any", device: "Any") -> "Any":
     """``tensor`` itself when it already lives on ``device`` (canonical), else its copy there."""
     return tensor if tensor.device == device else tensor.to(device)
 
 
-def to_device_stream(named_tensors, device):
+def to_device_stream(named_tensors: "Iterable[tuple[str, Any]]", device: "Any") -> "Iterator[tuple[str, Any]]":
     """Yield each ``(name, tensor)`` of ``named_tensors`` with its tensor on ``device``.
 
     For trainers that run their own producer: wrap the export stream before packing. Lazy, one pair
@@ -62,7 +72,7 @@ def to_device_stream(named_tensors, device):
     return _pairs_on_device(pairs, device)
 
 
-def _pairs_on_device(pairs, device):
+def _pairs_on_device(pairs: "Iterator[Any]", device: "Any") -> "Iterator[tuple[str, Any]]":
     import torch
 
     for index, pair in enumerate(pairs):
@@ -71,7 +81,7 @@ def _pairs_on_device(pairs, device):
         yield pair[0], on_device(pair[1], device)
 
 
-def communicator_device(group):
+def communicator_device(group: "Any") -> "Any":
     """The communicator's device (vLLM's PyNcclCommunicator has ``device``), else the current
     accelerator device the producer's streams use; None when there is neither."""
     import torch
@@ -84,30 +94,32 @@ def communicator_device(group):
     return None
 
 
-def normalizing_producer(wrapped, instance, args, kwargs):
+def normalizing_producer(wrapped: "Callable[..., Any]", instance: "Any", args: "tuple[Any, ...]",
+                         kwargs: "dict[str, Any]") -> "Any":
     """vLLM's packed producer; what ``post_iter_func`` hands to the buffer is on the communicator's device."""
-    call = _bind(wrapped, args, kwargs)
-    device = communicator_device(call.arguments["group"])
+    device = communicator_device(argument(args, kwargs, GROUP, "group"))
     if device is not None:
-        post_iter_func = call.arguments["post_iter_func"]
-        call.arguments["post_iter_func"] = lambda item: on_device(post_iter_func(item), device)
-    return wrapped(*call.args, **call.kwargs)
+        post_iter_func = argument(args, kwargs, POST_ITER_FUNC, "post_iter_func")
+        args, kwargs = with_argument(args, kwargs, POST_ITER_FUNC, "post_iter_func",
+                                     lambda item: on_device(post_iter_func(item), device))
+    return wrapped(*args, **kwargs)
 
 
 class SourceOnDevice:
     """A vLLM WeightSource whose ``iter_full()`` yields its tensors on ``device``; the rest is delegated."""
 
-    def __init__(self, source, device):
+    def __init__(self, source: "Any", device: "Any") -> None:
         self._source, self._device = source, device
 
-    def iter_full(self):
+    def iter_full(self) -> "Iterator[tuple[str, Any]]":
         return to_device_stream(self._source.iter_full(), self._device)
 
-    def __getattr__(self, name):
+    def __getattr__(self, name: str) -> "Any":
         return getattr(self._source, name)
 
 
-def normalizing_engine_broadcast(wrapped, instance, args, kwargs):
+def normalizing_engine_broadcast(wrapped: "Callable[..., Any]", instance: "Any", args: "tuple[Any, ...]",
+                                 kwargs: "dict[str, Any]") -> "Any":
     """``NCCLTrainerWeightTransferEngine._broadcast`` on a source normalized to its communicator's
     device: covers the one-by-one path (and the packed one) whatever the producer binding."""
     group = getattr(instance, "model_update_group", None)
@@ -116,19 +128,18 @@ def normalizing_engine_broadcast(wrapped, instance, args, kwargs):
     device = communicator_device(group)
     if device is None:
         return wrapped(*args, **kwargs)
-    call = _bind(wrapped, args, kwargs)
-    call.arguments["source"] = SourceOnDevice(call.arguments["source"], device)
-    return wrapped(*call.args, **call.kwargs)
+    args, kwargs = with_argument(args, kwargs, 0, "source", SourceOnDevice(argument(args, kwargs, 0, "source"), device))
+    return wrapped(*args, **kwargs)  # (self,) source, meta: the probe checks
 
 
-def normalizing_trainer_send_weights(wrapped, instance, args, kwargs):
+def normalizing_trainer_send_weights(wrapped: "Callable[..., Any]", instance: "Any", args: "tuple[Any, ...]",
+                                     kwargs: "dict[str, Any]") -> "Any":
     """vLLM 0.25.1's ``NCCLWeightTransferEngine.trainer_send_weights`` (the staticmethod holding the
     one-by-one path) on a copy of ``trainer_args`` whose ``post_iter_func`` (default ``item[1]``, as
     vLLM's) returns tensors on the communicator's device; the packed path calls the hooked producer."""
     import dataclasses
 
-    call = _bind(wrapped, args, kwargs)
-    trainer_args = call.arguments["trainer_args"]
+    trainer_args = argument(args, kwargs, 1, "trainer_args")  # (iterator, trainer_args): the probe checks
     is_dict = isinstance(trainer_args, dict)
     if not (is_dict or dataclasses.is_dataclass(trainer_args)):
         return wrapped(*args, **kwargs)  # vLLM's own error
@@ -138,11 +149,9 @@ def normalizing_trainer_send_weights(wrapped, instance, args, kwargs):
         return wrapped(*args, **kwargs)
     post_iter_func = fields.get("post_iter_func") or (lambda item: item[1])
     normalized = {"post_iter_func": lambda item: on_device(post_iter_func(item), device)}
-    if is_dict:
-        call.arguments["trainer_args"] = {**trainer_args, **normalized}
-    else:
-        call.arguments["trainer_args"] = dataclasses.replace(trainer_args, **normalized)
-    return wrapped(*call.args, **call.kwargs)
+    normalized_args = {**trainer_args, **normalized} if is_dict else dataclasses.replace(trainer_args, **normalized)
+    args, kwargs = with_argument(args, kwargs, 1, "trainer_args", normalized_args)
+    return wrapped(*args, **kwargs)
 
 
 ONE_BY_ONE_WRAPPERS = {
@@ -151,7 +160,7 @@ ONE_BY_ONE_WRAPPERS = {
 }
 
 
-def one_by_one_path(module):
+def one_by_one_path(module: "ModuleType") -> "tuple[type, str, tuple[str, ...]] | None":
     """``(class, method, expected parameters)`` of the one-by-one path ``module`` defines, or None."""
     for class_name, method, parameters in ONE_BY_ONE_PATHS:
         owner = getattr(module, class_name, None)
@@ -160,19 +169,13 @@ def one_by_one_path(module):
     return None
 
 
-def _bind(function, args, kwargs):
-    import inspect
-
-    return inspect.signature(function).bind(*args, **kwargs)
-
-
-def _parameters(function):
+def _parameters(function: "Callable[..., Any]") -> "tuple[str, ...]":
     import inspect
 
     return tuple(inspect.signature(function).parameters)
 
 
-def _producer_drift(module):
+def _producer_drift(module: "ModuleType") -> "str | None":
     """Why the producer bindings of ``module`` no longer fit the hook, or None."""
     for name in PRODUCERS:
         function = vars(module).get(name)
@@ -181,7 +184,7 @@ def _producer_drift(module):
     return None
 
 
-def stock_packing_error(packed_tensor):
+def stock_packing_error(packed_tensor: "ModuleType") -> "str | None":
     """What the real ``pack_tensors`` raises on a tiny host+meta stream; None when it packs it."""
     import torch
 
@@ -193,7 +196,7 @@ def stock_packing_error(packed_tensor):
     return None
 
 
-def stock_packing_verdict(packed_tensor):
+def stock_packing_verdict(packed_tensor: "ModuleType") -> Verdict:
     """Needed when stock ``pack_tensors`` refuses a host+meta stream, redundant when it packs it."""
     pack = getattr(packed_tensor, "pack_tensors", None)
     if pack is None:
@@ -209,35 +212,23 @@ def stock_packing_verdict(packed_tensor):
 
 
 class DeviceNormalizedBroadcastFix(Fix):
-    name = "device-normalized-broadcast"
-    summary = "Move every tensor of a vLLM weight-refit stream to the communicator's device before packing."
-    distribution = "vllm"
-    provenance = Provenance(
-        origin="NeMo-RL (weight refit with a non-learnable host constant, e.g. an audio filterbank)",
-        upstream_fix=None,
-        first_fixed_release=None,
-    )
-    # on disk: the source patch makes the producer and the one-by-one path call this helper
-    marker = Marker("vllm.distributed.weight_transfer.packed_tensor", "packed_nccl_broadcast_producer",
-                    "_on_communicator_device")
-    families = {"0.25": ">=0.25.1,<0.26", "0.33": ">=0.33.0,<0.34"}
+    declaration = DECLARATION  # targets "packed_tensor" (the packed producer), "nccl_engine" (the one-by-one path)
 
-    def _patched(self, module):
+    def _patched(self, module: "ModuleType") -> "str | None":
         """The function of ``module`` the source patch changed, when it calls the marker (else None)."""
-        path = one_by_one_path(module) if module.__name__ == self.targets[1] else None
+        path = one_by_one_path(module) if self.role_of(module) == "nccl_engine" else None
         functions = [getattr(path[0], path[1])] if path else [vars(module)[n] for n in PRODUCERS if n in vars(module)]
         for function in functions:
             if hasattr(function, "__code__") and Marker(module.__name__, function.__qualname__, self.marker.calls).in_function(function):
                 return function.__qualname__
         return None
 
-    def probe(self, module):
-        packed_tensor_name, engine_name = self.targets
-        if module.__name__ == engine_name:
+    def probe(self, module: "ModuleType") -> Verdict:
+        if self.role_of(module) == "nccl_engine":
             path = one_by_one_path(module)
             if path is None:
                 paths = " nor ".join(f"{owner}.{method}" for owner, method, _ in ONE_BY_ONE_PATHS)
-                return drifted(f"{engine_name} has neither {paths} (the one-by-one path)")
+                return drifted(f"{module.__name__} has neither {paths} (the one-by-one path)")
             owner, method, expected = path
             found = _parameters(getattr(owner, method))
             if found != expected:
@@ -250,14 +241,14 @@ class DeviceNormalizedBroadcastFix(Fix):
         patched = self._patched(module)
         if patched is not None:
             return redundant(f"{patched} already calls {self.marker.calls} (patched on disk)")
-        packed_tensor = module if module.__name__ == packed_tensor_name else importlib.import_module(packed_tensor_name)
+        packed_tensor = module if self.role_of(module) == "packed_tensor" else importlib.import_module(self.target("packed_tensor"))
         return stock_packing_verdict(packed_tensor)
 
-    def wrappers(self, module):
+    def wrappers(self, module: "ModuleType") -> "Iterator[tuple[object, str, Callable[..., Any]]]":
         for name in PRODUCERS:
             if name in vars(module):
                 yield module, name, normalizing_producer
-        path = one_by_one_path(module) if module.__name__ == self.targets[1] else None
+        path = one_by_one_path(module) if self.role_of(module) == "nccl_engine" else None
         if path is not None:
             owner, method, _ = path
             yield owner, method, ONE_BY_ONE_WRAPPERS[method]

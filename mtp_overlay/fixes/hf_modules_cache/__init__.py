@@ -24,7 +24,16 @@ import sys
 
 from _thread import RLock
 
-from ...contract import Fix, Provenance, State, drifted, needed, redundant
+from ...calls import with_argument
+from ...contract import State, Verdict, drifted, needed, redundant
+from .. import Fix
+from .declaration import DECLARATION
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterator
+    from types import ModuleType
+    from typing import Any
 
 PACKAGE = "transformers_modules"
 SETUP_HOOK = f"{__name__}.worker_process_setup"
@@ -136,8 +145,8 @@ class SetupHookChain:
         return hook()
 
 
-def user_runtime_env(kwargs):
-    """The runtime_env a ``ray.init(**kwargs)`` call asks for, or ``{}``.
+def user_runtime_env(kwargs: "dict[str, Any]") -> "dict[str, Any]":
+    """The runtime_env a ``ray.init(**kwargs)`` call asks for (both are keyword-only), or ``{}``.
 
     Ray applies ``runtime_env`` only when it is non-empty, else the ``job_config``'s. Bad input gets a
     TypeError here, before anything changes: Ray itself fails on a non-dict runtime_env with an
@@ -203,12 +212,9 @@ def with_worker_setup(runtime_env, folder):
 
 
 class ModulesCacheFix(Fix):
-    name = "hf-modules-cache"
-    summary = "Ray workers import transformers' trust_remote_code classes (HF_MODULES_CACHE on their path)."
-    distribution = "ray"
-    provenance = Provenance(origin="NeMo-RL (Ray actors receiving trust_remote_code configs and tokenizers)")
+    declaration = DECLARATION  # one target, "ray": ray.init
 
-    def probe(self, module):
+    def probe(self, module: "ModuleType") -> Verdict:
         import inspect
 
         init = vars(module).get("init")
@@ -224,17 +230,18 @@ class ModulesCacheFix(Fix):
             return redundant(f"ray.cloudpickle pickles {PACKAGE} by value: workers need no folder")
         return needed(f"ray.cloudpickle pickles {PACKAGE} classes by reference")
 
-    def wrappers(self, module):
+    def wrappers(self, module: "ModuleType") -> "Iterator[tuple[object, str, Callable[..., Any]]]":
         yield module, "init", self._init_with_modules_cache
 
-    def _init_with_modules_cache(self, wrapped, instance, args, kwargs):
+    def _init_with_modules_cache(self, wrapped: "Callable[..., Any]", instance: "Any", args: "tuple[Any, ...]",
+                                 kwargs: "dict[str, Any]") -> "Any":
         runtime_env = user_runtime_env(kwargs)
         folder = modules_folder()
         if self.add_to_import_path(folder):
-            kwargs = dict(kwargs, runtime_env=with_worker_setup(runtime_env, folder))
+            args, kwargs = with_argument(args, kwargs, None, "runtime_env", with_worker_setup(runtime_env, folder))
         return wrapped(*args, **kwargs)
 
-    def add_to_import_path(self, folder):
+    def add_to_import_path(self, folder: str) -> bool:
         """Put ``folder`` on ``sys.path`` and ``PYTHONPATH`` once each (by real path); False if refused.
 
         Appended to the end of ``sys.path``, where transformers' own `init_hf_modules` puts it, so in
@@ -246,7 +253,7 @@ class ModulesCacheFix(Fix):
         where a parent already put it, so no generation adds it twice. `uninstall()` leaves both as
         they are, as it would after a remote-code load.
         """
-        target = self.lifecycle.targets[0]
+        target = self.target("ray")
         with _PATH_LOCK:
             reason = unsafe_reason(folder)
             if reason is not None:

@@ -26,10 +26,20 @@ The main LM loss, the MoE aux loss and the schedule's scales are not touched.
 
 import contextvars
 
-from ...contract import Fix, Marker, Provenance, drifted, needed, redundant
+from ...calls import argument, original, positions, with_argument
+from ...contract import Marker, Verdict, drifted, needed, redundant
+from .. import Fix
+from .declaration import DECLARATION
 
-# targets (the registry's): the module defining process_mtp_loss, then the model modules that bind it
-# by name (`from ...multi_token_prediction import process_mtp_loss`)
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterator
+    from types import ModuleType
+    from typing import Any
+
+# target roles: "mtp", the module defining process_mtp_loss; "gpt_model" and "hybrid_model", the
+# model modules that bind it by name (`from ...multi_token_prediction import process_mtp_loss`)
+DEFINES = "mtp"
 PROCESS, ROLL, LOG = "process_mtp_loss", "roll_tensor", "save_metrics_to_tracker"
 PARAMETERS = ("labels", "loss_mask", "is_training", "config", "cp_group", "input_ids")
 ROLL_PARAMETERS = ("tensor", "shifts", "dims", "cp_group", "packed_seq_params")
@@ -43,18 +53,16 @@ KNOWN_NAMES = frozenset({
 })
 REQUIRED_NAMES = ("roll_tensor", "calculate_per_token_loss", "mtp_loss_scaling_factor", "save_metrics_to_tracker")
 
-_counts = contextvars.ContextVar("mtp_cp_loss_scale_counts", default=None)
+_counts: "contextvars.ContextVar[_Counts | None]" = contextvars.ContextVar("mtp_cp_loss_scale_counts", default=None)
 
 
-def stock_process_mtp_loss(module):
+def stock_process_mtp_loss(module: "ModuleType") -> "Callable[..., Any] | None":
     """The upstream ``process_mtp_loss`` bound in ``module``, seen through every wrapper, or None."""
-    import inspect
-
     function = vars(module).get(PROCESS)
-    return None if function is None else inspect.unwrap(function)
+    return None if function is None else original(function)
 
 
-def _names(code):
+def _names(code: "Any") -> "set[str]":
     names = set(code.co_names)
     for const in code.co_consts:
         if hasattr(const, "co_names"):
@@ -62,7 +70,7 @@ def _names(code):
     return names
 
 
-def probe_target(module, marker):
+def probe_target(module: "ModuleType", marker: Marker) -> Verdict:
     """The verdict for the module defining ``process_mtp_loss`` (read from its code, not run)."""
     import inspect
 
@@ -77,7 +85,7 @@ def probe_target(module, marker):
     missing = [name for name in PARAMETERS if name not in parameters]
     if missing:
         return drifted(f"{PROCESS} has no parameter(s) {missing}: the hook fits megatron-core 0.19's signature")
-    roll_parameters = tuple(inspect.signature(inspect.unwrap(roll)).parameters)
+    roll_parameters = tuple(inspect.signature(original(roll)).parameters)
     if roll_parameters[: len(ROLL_PARAMETERS)] != ROLL_PARAMETERS:
         return drifted(f"{ROLL}{roll_parameters} does not start with {ROLL_PARAMETERS}")
     if helper is None or LOG not in vars(helper):
@@ -93,7 +101,7 @@ def probe_target(module, marker):
     return needed(f"{PROCESS} divides each CP rank's MTP loss by its own token counts")
 
 
-def probe_alias(module, target, marker):
+def probe_alias(module: "ModuleType", target: "ModuleType", marker: Marker) -> Verdict:
     """The verdict for a model module that binds ``process_mtp_loss`` by name: the target's."""
     function = stock_process_mtp_loss(module)
     if function is None:
@@ -108,18 +116,18 @@ class _Counts:
 
     __slots__ = ("group", "size", "mask", "derive", "original", "original_total", "per_token")
 
-    def __init__(self, group, mask, derive, per_token):
+    def __init__(self, group: "Any", mask: "Any", derive: bool, per_token: bool) -> None:
         self.group, self.size, self.mask = group, group.size(), mask
         self.derive = derive  # labels=None: the first roll of the mask makes the original count
-        self.original = None if derive else mask.sum()
-        self.original_total = None
+        self.original: "Any" = None if derive else mask.sum()
+        self.original_total: "Any" = None
         self.per_token = per_token
 
 
 _view_class = None
 
 
-def _config_view(config, counts):
+def _config_view(config: "Any", counts: _Counts) -> "Any":
     """``config`` with upstream's plain normalisation branch and the CP correction in the MTP scale."""
     global _view_class
     if _view_class is None:
@@ -145,57 +153,53 @@ def _config_view(config, counts):
 
 
 class CPLossScaleFix(Fix):
-    name = "mtp-cp-loss-scale"
-    summary = "Normalise the MTP loss by CP-global token counts (one 2-scalar all-reduce per MTP depth)."
-    distribution = "megatron-core"
-    provenance = Provenance(
-        origin="NeMo-RL (MTP under context parallelism); Megatron-LM issue #7452",
-        upstream_fix="Megatron-LM PR #7498 (open)",
-    )
-    marker = Marker("megatron.core.transformer.multi_token_prediction", PROCESS, "all_reduce")
-    families = {"0.19": ">=0.19.0,<0.20"}
+    declaration = DECLARATION
 
-    def probe(self, module):
+    def probe(self, module: "ModuleType") -> Verdict:
         import importlib
 
-        if module.__name__ == self.targets[0]:
+        if self.role_of(module) == DEFINES:
             return probe_target(module, self.marker)
-        return probe_alias(module, importlib.import_module(self.targets[0]), self.marker)
+        return probe_alias(module, importlib.import_module(self.target(DEFINES)), self.marker)
 
-    def wrappers(self, module):
-        import inspect
-
+    def wrappers(self, module: "ModuleType") -> "Iterator[tuple[object, str, Callable[..., Any]]]":
         import torch
 
-        signature = inspect.signature(stock_process_mtp_loss(module))
+        stock = stock_process_mtp_loss(module)
+        assert stock is not None, "probed first"
+        at = positions(stock)
 
-        def process_mtp_loss(wrapped, instance, args, kwargs):
-            bound = signature.bind(*args, **kwargs)
-            arguments = bound.arguments
-            group, labels = arguments.get("cp_group"), arguments.get("labels")
-            source = labels if labels is not None else arguments.get("input_ids")
+        def process_mtp_loss(wrapped: "Callable[..., Any]", instance: "Any", args: "tuple[Any, ...]",
+                             kwargs: "dict[str, Any]") -> "Any":
+            def read(name: str, default: "Any" = None) -> "Any":
+                return argument(args, kwargs, at.get(name), name, default)
+
+            group, labels = read("cp_group"), read("labels")
+            source = labels if labels is not None else read("input_ids")
             if (_counts.get() is not None or group is None or group.size() == 1 or source is None
-                    or not arguments.get("is_training", False) or not torch.is_grad_enabled()):
+                    or not read("is_training", False) or not torch.is_grad_enabled()):
                 return wrapped(*args, **kwargs)
-            mask = arguments.get("loss_mask")
+            mask = read("loss_mask")
             if mask is None:  # upstream's own default: ones shaped like the (derived) labels
                 mask = torch.ones_like(source)
-            config = arguments["config"]
+            config = read("config")
             counts = _Counts(group, mask, labels is None, bool(config.calculate_per_token_loss))
-            arguments["loss_mask"], arguments["config"] = mask, _config_view(config, counts)
+            args, kwargs = with_argument(args, kwargs, at.get("loss_mask"), "loss_mask", mask)
+            args, kwargs = with_argument(args, kwargs, at.get("config"), "config", _config_view(config, counts))
             token = _counts.set(counts)
             try:
-                return wrapped(*bound.args, **bound.kwargs)
+                return wrapped(*args, **kwargs)
             finally:
                 _counts.reset(token)
 
         yield module, PROCESS, process_mtp_loss
-        if module.__name__ != self.targets[0]:
+        if self.role_of(module) != DEFINES:
             return
 
-        def roll_tensor(wrapped, instance, args, kwargs):
+        def roll_tensor(wrapped: "Callable[..., Any]", instance: "Any", args: "tuple[Any, ...]",
+                        kwargs: "dict[str, Any]") -> "Any":
             counts = _counts.get()
-            tensor = args[0] if args else kwargs.get("tensor")
+            tensor = argument(args, kwargs, 0, "tensor", None)
             if counts is None or tensor is not counts.mask:
                 return wrapped(*args, **kwargs)
             rolled, count = wrapped(*args, **kwargs)
@@ -210,14 +214,12 @@ class CPLossScaleFix(Fix):
             counts.original_total = totals[0]
             return rolled, totals[1]
 
-        def save_metrics_to_tracker(wrapped, instance, args, kwargs):
+        def save_metrics_to_tracker(wrapped: "Callable[..., Any]", instance: "Any", args: "tuple[Any, ...]",
+                                    kwargs: "dict[str, Any]") -> "Any":
             counts = _counts.get()
             if counts is None:
                 return wrapped(*args, **kwargs)
-            if args:
-                args = (args[0] * counts.size,) + tuple(args[1:])
-            else:
-                kwargs = dict(kwargs, loss=kwargs["loss"] * counts.size)
+            args, kwargs = with_argument(args, kwargs, 0, "loss", argument(args, kwargs, 0, "loss") * counts.size)
             return wrapped(*args, **kwargs)
 
         yield module, ROLL, roll_tensor

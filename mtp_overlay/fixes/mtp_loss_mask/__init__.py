@@ -16,21 +16,31 @@ The hook on ``GPTModel.forward`` and ``HybridModel.forward``:
   raising ValueError instead of failing deep inside Megatron or training on shifted positions.
 """
 
-from ...contract import Fix, Provenance, defined_in, drifted, needed
+from ...calls import argument, original, positions, with_argument
+from ...contract import Verdict, defined_in, drifted, needed
 from ...mtp.config import FIRST_RELEASE
+from .. import Fix
+from .declaration import DECLARATION
 
-MODEL_CLASSES = ("GPTModel", "HybridModel")  # one per target module
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterator
+    from types import ModuleType
+    from typing import Any
+
+MODEL_CLASSES = {"gpt_model": "GPTModel", "hybrid_model": "HybridModel"}  # target role -> its model class
 PACKED_ROLL = "mtp-packed-roll"  # the fix that makes megatron-core roll packed MTP tensors on the padded layout
 REQUIRED_PARAMETERS = ("input_ids", "labels", "loss_mask", "packed_seq_params")
 
 
-def _forward(module):
-    cls = defined_in(module, MODEL_CLASSES)
+def _forward(module: "ModuleType") -> "tuple[Any, Callable[..., Any] | None]":
+    """(the model class of target ``module``, its forward as upstream defined it); None where missing."""
+    cls = defined_in(module, [MODEL_CLASSES[FIX.role_of(module)]])
     method = None if cls is None else vars(cls).get("forward")
-    return cls, getattr(method, "__wrapped__", method)
+    return cls, (None if method is None else original(method))
 
 
-def derives_mtp_labels(module):
+def derives_mtp_labels(module: "ModuleType") -> bool:
     """Whether the module's MTP loss can derive labels from ``input_ids`` when labels is None.
 
     Read from the installed code: ``process_mtp_loss`` (which the model modules import) takes
@@ -43,17 +53,14 @@ def derives_mtp_labels(module):
 
 
 class LossMaskFix(Fix):
-    name = "mtp-loss-mask"
-    summary = "Route the RL MTP loss mask to GPTModel/HybridModel and check it has the tokens' layout."
-    distribution = "megatron-core"
-    provenance = Provenance(origin="NeMo-RL PR #3494 (MTP loss mask layout); NeMo-RL issue #2869")
+    declaration = DECLARATION  # targets "gpt_model", "hybrid_model": their model class's forward
 
-    def probe(self, module):
+    def probe(self, module: "ModuleType") -> Verdict:
         import inspect
 
         cls, forward = _forward(module)
         if cls is None:
-            return drifted(f"{module.__name__} has none of {', '.join(MODEL_CLASSES)}")
+            return drifted(f"{module.__name__} has no {MODEL_CLASSES[self.role_of(module)]}")
         if forward is None:
             return drifted(f"{cls.__name__} defines no forward")
         parameters = inspect.signature(forward).parameters
@@ -74,37 +81,32 @@ class LossMaskFix(Fix):
             )
         return needed("MTP labels are derived from input_ids when labels is None (PR #3457)")
 
-    def wrappers(self, module):
-        import inspect
-
+    def wrappers(self, module: "ModuleType") -> "Iterator[tuple[object, str, Callable[..., Any]]]":
         from ... import mtp
 
         cls, forward = _forward(module)
-        positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-        parameters = list(inspect.signature(forward).parameters.values())[1:]  # self is bound by wrapt
-        positions = {p.name: i for i, p in enumerate(parameters) if p.kind in positional}
+        assert forward is not None, "probed first"
+        at = positions(forward, method=True)  # self is bound by wrapt
 
-        def argument(name, args, kwargs):
-            if name in kwargs:
-                return kwargs[name]
-            index = positions.get(name)
-            return args[index] if index is not None and index < len(args) else None
+        def read(args: "tuple[Any, ...]", kwargs: "dict[str, Any]", name: str) -> "Any":
+            return argument(args, kwargs, at.get(name), name, None)
 
-        def forward_with_loss_mask(wrapped, instance, args, kwargs):
-            loss_mask, scoped = kwargs.get("loss_mask"), mtp.scoped_loss_mask()
+        def forward_with_loss_mask(wrapped: "Callable[..., Any]", instance: "Any", args: "tuple[Any, ...]",
+                                   kwargs: "dict[str, Any]") -> "Any":
+            loss_mask, scoped = read(args, kwargs, "loss_mask"), mtp.scoped_loss_mask()
             mtp_on = mtp.mtp_enabled(instance)
             if loss_mask is None and scoped is not None and mtp_on:
-                if argument("labels", args, kwargs) is not None:
+                if read(args, kwargs, "labels") is not None:
                     raise ValueError(
                         "loss_mask_scope holds an unshifted (input_ids-aligned) MTP mask, but this call passes "
                         "labels: with labels megatron-core expects a label-aligned loss_mask; pass loss_mask "
                         "explicitly or call without labels"
                     )
                 loss_mask = scoped
-                kwargs = dict(kwargs, loss_mask=scoped)
-            input_ids = argument("input_ids", args, kwargs)
+                args, kwargs = with_argument(args, kwargs, at.get("loss_mask"), "loss_mask", scoped)
+            input_ids = read(args, kwargs, "input_ids")
             if loss_mask is not None and input_ids is not None:
-                packed = argument("packed_seq_params", args, kwargs)
+                packed = read(args, kwargs, "packed_seq_params")
                 cp_size, cp_rank = _cp_size_rank(instance)
                 mtp.check_loss_mask_layout(input_ids, loss_mask, packed, cp_size, cp_rank)
                 if packed is not None and mtp_on:
@@ -114,26 +116,25 @@ class LossMaskFix(Fix):
         yield cls, "forward", forward_with_loss_mask
 
 
-def _cp_size_rank(model):
+def _cp_size_rank(model: "Any") -> "tuple[int, int]":
     group = getattr(getattr(model, "pg_collection", None), "cp", None)
     if group is None:
         return 1, 0
     return group.size(), group.rank()
 
 
-def _check_roll_boundaries(packed):
+def _check_roll_boundaries(packed: "Any") -> None:
     """Refuse real boundaries apart from the padded ones unless the MTP roll uses the padded ones
     (fix mtp-packed-roll installed, or upstream rolling on them): stock megatron-core 0.19 rolls the
     MTP labels and loss_mask by ``cu_seqlens_q`` alone (Megatron-LM #4494/#6205)."""
     import torch
 
-    from ... import registry
     from ...contract import State
 
     real, padded = packed.cu_seqlens_q, packed.cu_seqlens_q_padded
     if padded is None or torch.equal(torch.as_tensor(real).long(), torch.as_tensor(padded).long()):
         return
-    state, reason = registry.lifecycle(PACKED_ROLL).state()
+    state, reason = FIX.peer_state(PACKED_ROLL)
     if state in (State.INSTALLED, State.REDUNDANT):
         return
     raise ValueError(

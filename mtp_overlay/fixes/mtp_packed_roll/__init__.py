@@ -15,7 +15,16 @@ roll. It returns what stock returns: the rolled tensor and its local sum (``proc
 each depth's MTP loss by that count).
 """
 
-from ...contract import Fix, Marker, Provenance, drifted, needed, redundant
+from ...calls import argument, original, positions
+from ...contract import Verdict, drifted, needed, redundant
+from .. import Fix
+from .declaration import DECLARATION
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterator
+    from types import ModuleType
+    from typing import Any
 
 PADDED = "cu_seqlens_q_padded"
 # parameters by shape -> the releases that have it
@@ -29,29 +38,16 @@ PACKED_SIGNATURES = {
 }
 
 
-def stock_rolls(module):
+def stock_rolls(module: "ModuleType") -> "tuple[Callable[..., Any] | None, Callable[..., Any] | None]":
     """(roll_tensor, _roll_tensor_packed_seq) as upstream defined them (None where missing)."""
-    import inspect
-
-    return tuple(
-        None if vars(module).get(name) is None else inspect.unwrap(vars(module)[name])
-        for name in ("roll_tensor", "_roll_tensor_packed_seq")
-    )
+    roll, packed = (vars(module).get(name) for name in ("roll_tensor", "_roll_tensor_packed_seq"))
+    return (None if roll is None else original(roll)), (None if packed is None else original(packed))
 
 
 class PackedRollFix(Fix):
-    name = "mtp-packed-roll"
-    summary = "Roll packed MTP labels/loss mask on cu_seqlens_q_padded, masking each sequence's end, over the CP group."
-    distribution = "megatron-core"
-    provenance = Provenance(
-        origin="NeMo-RL model_slices_context_parallel_inputs path (PR #3494): unpadded cu_seqlens_q under CP",
-        upstream_fix="Megatron-LM PR #4494 (dev), #6205/#4495 and #7278 (main, open), #6746 (CP group)",
-    )
-    # dev's roll reaches the padded boundaries through a helper (_get_packed_roll_cu_seqlens)
-    marker = Marker("megatron.core.transformer.multi_token_prediction", "roll_tensor", PADDED)
-    families = {"0.16": ">=0.16.0,<0.17", "0.17-0.19": ">=0.17.0,<0.20"}
+    declaration = DECLARATION  # one target, "mtp": roll_tensor and _roll_tensor_packed_seq
 
-    def probe(self, module):
+    def probe(self, module: "ModuleType") -> Verdict:
         roll, packed = stock_rolls(module)
         if roll is not None and self.marker.in_function(roll):
             return redundant(
@@ -67,35 +63,35 @@ class PackedRollFix(Fix):
         family = PACKED_SIGNATURES[_parameters(packed)]
         return needed(f"megatron-core {family} shape: the packed roll reads cu_seqlens_q")
 
-    def wrappers(self, module):
-        import inspect
+    def wrappers(self, module: "ModuleType") -> "Iterator[tuple[object, str, Callable[..., Any]]]":
+        stock = stock_rolls(module)
+        assert stock[0] is not None and stock[1] is not None, "probed first"
+        roll, packed = _Arguments(stock[0]), _Arguments(stock[1])
 
-        roll_signature, packed_signature = (inspect.signature(f) for f in stock_rolls(module))
+        def rolled_and_sum(rolled: "Any", read: "_Arguments", args: "tuple[Any, ...]", kwargs: "dict[str, Any]") -> "Any":
+            return rolled, (rolled.sum() if read(args, kwargs, "return_sum", True) else None)
 
-        def rolled_and_sum(rolled, arguments):
-            return rolled, (rolled.sum() if arguments.get("return_sum", True) else None)
-
-        def roll_packed_seq(wrapped, instance, args, kwargs):
-            arguments = _bound(packed_signature, args, kwargs)
-            tensor = arguments["tensor"]
-            if tensor is None or not _left_shift_on_last_dim(tensor, arguments):
+        def roll_packed_seq(wrapped: "Callable[..., Any]", instance: "Any", args: "tuple[Any, ...]",
+                            kwargs: "dict[str, Any]") -> "Any":
+            tensor = packed(args, kwargs, "tensor")
+            if tensor is None or not _left_shift_on_last_dim(tensor, packed, args, kwargs):
                 return wrapped(*args, **kwargs)  # stock refuses these with its own assertion
-            rolled = roll_packed_seq_params(tensor, arguments["packed_seq_params"], arguments["cp_group"])
-            return rolled_and_sum(rolled, arguments)
+            rolled = roll_packed_seq_params(tensor, packed(args, kwargs, "packed_seq_params"), packed(args, kwargs, "cp_group"))
+            return rolled_and_sum(rolled, packed, args, kwargs)
 
-        def roll_tensor(wrapped, instance, args, kwargs):
-            arguments = _bound(roll_signature, args, kwargs)
-            tensor, group = arguments["tensor"], arguments["cp_group"]
-            unpacked_cp = tensor is not None and arguments["packed_seq_params"] is None and _size(group) > 1
-            if not unpacked_cp or not _left_shift_on_last_dim(tensor, arguments):
+        def roll_tensor(wrapped: "Callable[..., Any]", instance: "Any", args: "tuple[Any, ...]",
+                        kwargs: "dict[str, Any]") -> "Any":
+            tensor, group = roll(args, kwargs, "tensor"), roll(args, kwargs, "cp_group")
+            unpacked_cp = tensor is not None and roll(args, kwargs, "packed_seq_params") is None and _size(group) > 1
+            if not unpacked_cp or not _left_shift_on_last_dim(tensor, roll, args, kwargs):
                 return wrapped(*args, **kwargs)  # packed calls reach roll_packed_seq through stock
-            return rolled_and_sum(roll_unpacked_cp(tensor, group), arguments)
+            return rolled_and_sum(roll_unpacked_cp(tensor, group), roll, args, kwargs)
 
         yield module, "_roll_tensor_packed_seq", roll_packed_seq
         yield module, "roll_tensor", roll_tensor
 
 
-def roll_packed_seq_params(tensor, packed_seq_params, cp_group=None):
+def roll_packed_seq_params(tensor: "Any", packed_seq_params: "Any", cp_group: "Any" = None) -> "Any":
     """``tensor`` (a CP-local packed row, [..., T]) rolled left by one as megatron-core's packed MTP
     roll should: on ``cu_seqlens_q_padded`` (else ``cu_seqlens_q``), zero from each sequence's last
     real token on, one all-gather over ``cp_group``. ValueError naming the bad boundary argument."""
@@ -115,7 +111,7 @@ def roll_packed_seq_params(tensor, packed_seq_params, cp_group=None):
     return roll_packed(tensor, plan, cp_group)
 
 
-def roll_unpacked_cp(tensor, cp_group):
+def roll_unpacked_cp(tensor: "Any", cp_group: "Any") -> "Any":
     """Unpacked rows under CP (each row one sequence in the 2*cp-chunk layout): stock's values, but
     one all-gather over ``cp_group`` instead of world-group send/recv (Megatron-LM #6746)."""
     import torch
@@ -133,23 +129,32 @@ def roll_unpacked_cp(tensor, cp_group):
     return roll_packed(tensor, plan_for(whole, whole, length, cp_size, cp_rank, tensor.device), cp_group)
 
 
-def _parameters(function):
+def _parameters(function: "Callable[..., Any]") -> "tuple[str, ...]":
     import inspect
 
     return tuple(inspect.signature(function).parameters)
 
 
-def _bound(signature, args, kwargs):
-    bound = signature.bind(*args, **kwargs)
-    bound.apply_defaults()
-    return bound.arguments
+class _Arguments:
+    """Reads an argument of a call to ``function`` by name: where it sits (`positions`), else its
+    default in the stock signature (``default`` for a parameter the release does not have)."""
+
+    def __init__(self, function: "Callable[..., Any]") -> None:
+        import inspect
+
+        self.positions = positions(function)
+        self.defaults = {name: p.default for name, p in inspect.signature(function).parameters.items()
+                         if p.default is not p.empty}
+
+    def __call__(self, args: "tuple[Any, ...]", kwargs: "dict[str, Any]", name: str, default: "Any" = None) -> "Any":
+        return argument(args, kwargs, self.positions.get(name), name, self.defaults.get(name, default))
 
 
-def _left_shift_on_last_dim(tensor, arguments):
-    return arguments["shifts"] == -1 and arguments["dims"] in (-1, tensor.dim() - 1)
+def _left_shift_on_last_dim(tensor: "Any", read: _Arguments, args: "tuple[Any, ...]", kwargs: "dict[str, Any]") -> bool:
+    return read(args, kwargs, "shifts") == -1 and read(args, kwargs, "dims") in (-1, tensor.dim() - 1)
 
 
-def _size(group):
+def _size(group: "Any") -> int:
     return 1 if group is None else group.size()
 
 

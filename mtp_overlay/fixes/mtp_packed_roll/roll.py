@@ -107,9 +107,9 @@ def build_plan(real, padded, length, cp_size, cp_rank, device):
             f"{length * cp_size} in all, but {padded_name} (cu_seqlens_q when it is None) ends at "
             f"{int(padded[-1])}: the packed row must be laid out on the padded boundaries"
         )
-    targets = (real.diff() - 1).clamp(min=0)  # positions 0 .. L-2 of a sequence have a real next token
+    with_next = (real.diff() - 1).clamp(min=0)  # positions 0 .. L-2 of a sequence have a real next token
     kept = slots > 0
-    starts, slots, targets = padded[:-1][kept], slots[kept], targets[kept]
+    starts, slots, with_next = padded[:-1][kept], slots[kept], with_next[kept]
     if cp_size == 1:
         runs, run_lengths, offsets = starts, slots, torch.zeros_like(starts)
     else:
@@ -120,7 +120,7 @@ def build_plan(real, padded, length, cp_size, cp_rank, device):
         offsets = torch.stack([cp_rank * chunk, (2 * cp_size - 1 - cp_rank) * chunk], 1).flatten()
     # slot j of a run sits at position offset + j of its sequence: it keeps a value while that
     # position has a real next token
-    live = (targets.repeat_interleave(2 if cp_size > 1 else 1) - offsets).clamp(min=0)
+    live = (with_next.repeat_interleave(2 if cp_size > 1 else 1) - offsets).clamp(min=0)
     live = torch.minimum(live, run_lengths)
     dead = _dead_slots(runs, live, length, device)
     if cp_size == 1:

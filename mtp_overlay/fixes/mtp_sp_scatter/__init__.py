@@ -4,7 +4,7 @@ megatron-core 0.14-0.19.x: `MultiTokenPredictionLayer._get_embeddings` calls the
 directly. A model built with ``scatter_embedding_sequence_parallel=False`` scatters in its own outer
 forward, the MTP path never does, so under sequence parallelism `decoder_input` stays [S/CP, b, h]
 against hidden states of [S/(CP*TP), b, h] and `_concat_embeddings` fails. Upstream fix: Megatron-LM
-PR #6256 (commit 67700f79), first shipped in 0.20.0.
+PR #6256 (commit 67700f79).
 
 The hook scatters the decoder input `_get_embeddings` returns (in each release's return layout) unless
 its length already is the hidden states' (an upstream fix the probe did not recognise): never twice.
@@ -13,7 +13,16 @@ forward is a slice, so scattering the returned (possibly detached) tensor gives 
 gradients.
 """
 
-from ...contract import Fix, Marker, Provenance, drifted, needed, redundant
+from ...calls import argument, original
+from ...contract import Verdict, drifted, needed, redundant
+from .. import Fix
+from .declaration import DECLARATION
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterator
+    from types import ModuleType
+    from typing import Any
 
 SCATTER = "scatter_to_sequence_parallel_region"
 
@@ -28,27 +37,25 @@ SIGNATURES = {
 EMBEDDING_POSITION, HIDDEN_STATES_POSITION = 2, 3  # in args (self is bound by wrapt)
 
 
-def signature_variant(function):
+def signature_variant(function: "Callable[..., object]") -> "tuple[str, int] | None":
     """(release family, decoder_input index) of the `_get_embeddings` signature ``function`` has, or None."""
     import inspect
 
     return SIGNATURES.get(tuple(inspect.signature(function).parameters))
 
 
-def stock_get_embeddings(layer_class):
+def stock_get_embeddings(layer_class: type) -> "Callable[..., object] | None":
     """The upstream `_get_embeddings`, seen through every wrapper (this fix's, a decorator's)."""
-    import inspect
-
     method = vars(layer_class).get("_get_embeddings")
-    return None if method is None else inspect.unwrap(method)
+    return None if method is None else original(method)
 
 
-def embedding_scatters(embedding):
+def embedding_scatters(embedding: object) -> bool:
     """Upstream's rule: an embedding without the attribute scatters by itself."""
     return getattr(embedding, "scatter_to_sequence_parallel", True)
 
 
-def _scatter_function(module):
+def _scatter_function(module: "ModuleType") -> "Callable[..., Any]":
     # resolved at call time through the target module's own global, as upstream does, so a test
     # that monkeypatches that name sees it; releases without the global fall back to tensor_parallel
     scatter = getattr(module, SCATTER, None)
@@ -60,24 +67,9 @@ def _scatter_function(module):
 
 
 class SPScatterFix(Fix):
-    name = "mtp-sp-scatter"
-    summary = "Scatter the MTP embedding to the sequence-parallel region under SP/CP."
-    distribution = "megatron-core"
-    provenance = Provenance(
-        origin="NeMo-RL (Nemotron Omni MTP under TP+SP)",
-        upstream_fix="Megatron-LM PR #6256 (commit 67700f79)",
-        first_fixed_release="0.20.0",
-    )
-    marker = Marker("megatron.core.transformer.multi_token_prediction", "MultiTokenPredictionLayer._get_embeddings", SCATTER)
-    families = {
-        "0.14-0.15": ">=0.14.0,<0.16",
-        "0.16": ">=0.16.0,<0.17",
-        "0.17": ">=0.17.0,<0.18",
-        "0.18": ">=0.18.0,<0.19",
-        "0.19": ">=0.19.0,<0.20",
-    }
+    declaration = DECLARATION  # one target, "mtp": MultiTokenPredictionLayer._get_embeddings
 
-    def probe(self, module):
+    def probe(self, module: "ModuleType") -> Verdict:
         layer = getattr(module, "MultiTokenPredictionLayer", None)
         if layer is None:
             return drifted(f"{module.__name__} has no MultiTokenPredictionLayer")
@@ -92,23 +84,20 @@ class SPScatterFix(Fix):
             return drifted(f"_get_embeddings{method.__code__.co_varnames[:method.__code__.co_argcount]} matches none of {known}")
         return needed(f"signature of megatron-core {variant[0]}")
 
-    def wrappers(self, module):
-        _, index = signature_variant(stock_get_embeddings(module.MultiTokenPredictionLayer))
+    def wrappers(self, module: "ModuleType") -> "Iterator[tuple[object, str, Callable[..., Any]]]":
+        stock = stock_get_embeddings(module.MultiTokenPredictionLayer)
+        variant = None if stock is None else signature_variant(stock)
+        assert variant is not None, "probed first: a _get_embeddings of known shape"
+        _, index = variant
 
-        def argument(name, position, args, kwargs):
-            if name in kwargs:
-                return kwargs[name]
-            if len(args) > position:
-                return args[position]
-            raise TypeError(f"_get_embeddings() missing required argument: {name!r}")
-
-        def get_embeddings(wrapped, instance, args, kwargs):
+        def get_embeddings(wrapped: "Callable[..., Any]", instance: "Any", args: "tuple[Any, ...]",
+                           kwargs: "dict[str, Any]") -> "Any":
             result = wrapped(*args, **kwargs)
-            embedding = argument("embedding", EMBEDDING_POSITION, args, kwargs)
+            embedding = argument(args, kwargs, EMBEDDING_POSITION, "embedding")
             if not instance.config.sequence_parallel or embedding_scatters(embedding):
                 return result
             decoder_input = result[index]
-            if decoder_input.shape[0] == argument("hidden_states", HIDDEN_STATES_POSITION, args, kwargs).shape[0]:
+            if decoder_input.shape[0] == argument(args, kwargs, HIDDEN_STATES_POSITION, "hidden_states").shape[0]:
                 return result  # already scattered (upstream in a spelling the probe missed): never twice
             group = getattr(instance, "tp_group", None)
             scatter = _scatter_function(module)

@@ -13,31 +13,41 @@ The hook wraps each class's ``__init__`` (`resolve.construct`); OpenAIServingCha
 (OpenAIServingChatBatch, CohereServingChatV2) go through their parent's.
 """
 
-from ...contract import Fix, Marker, Provenance, defined_in, drifted, needed, redundant
+from ...calls import original
+from ...contract import Marker, Verdict, defined_in, drifted, needed, redundant
+from .. import Fix
+from .declaration import DECLARATION
 
-# the consumer class each target module defines (registry order), and the parameter through which it
-# reaches its server's vLLM renderer; AnthropicServingMessages is OpenAIServingChat's subclass, but
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterator
+    from types import ModuleType
+    from typing import Any
+
+# target role -> (the consumer class its module defines, the parameter through which that class
+# reaches its server's vLLM renderer); AnthropicServingMessages is OpenAIServingChat's subclass, but
 # vLLM 0.25.1 reads its own chat_template argument after super().__init__
 CONSUMERS = {
-    "OnlineRenderer": "renderer",
-    "OnlineDerenderer": "renderer",
-    "ServingTokenization": "online_renderer",
-    "OpenAIServingChat": "online_renderer",
-    "OpenAIServingResponses": "online_renderer",
-    "AnthropicServingMessages": "online_renderer",
+    "online_renderer": ("OnlineRenderer", "renderer"),
+    "online_derenderer": ("OnlineDerenderer", "renderer"),
+    "tokenization": ("ServingTokenization", "online_renderer"),
+    "chat": ("OpenAIServingChat", "online_renderer"),
+    "responses": ("OpenAIServingResponses", "online_renderer"),
+    "anthropic": ("AnthropicServingMessages", "online_renderer"),
 }
 LOADER = "load_chat_template"
 PARAMETERS = ("chat_template", "default_chat_template_kwargs")
 
 
-def consumer(module, class_name):
-    """``(class, renderer parameter)`` of consumer ``class_name`` in ``module``, or a drift reason (str)."""
+def consumer(module: "ModuleType", role: str) -> "tuple[type, str] | str":
+    """``(class, renderer parameter)`` of the consumer of target ``role`` in ``module``, or a drift reason (str)."""
     import inspect
 
-    owner, parameter = defined_in(module, [class_name]), CONSUMERS[class_name]
+    class_name, parameter = CONSUMERS[role]
+    owner = defined_in(module, [class_name])
     if not isinstance(owner, type) or "__init__" not in vars(owner):
         return f"{module.__name__} has no class {class_name} with its own __init__"
-    found = inspect.signature(inspect.unwrap(vars(owner)["__init__"])).parameters
+    found = inspect.signature(original(vars(owner)["__init__"])).parameters
     keyword = (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
     missing = [name for name in (parameter, *PARAMETERS) if name not in found or found[name].kind not in keyword]
     if missing:
@@ -46,26 +56,12 @@ def consumer(module, class_name):
 
 
 class VllmChatTemplateFix(Fix):
-    name = "vllm-chat-template"
-    summary = "In-process vLLM servers load a chat template path and share one template and kwargs, as `vllm serve`."
-    distribution = "vllm"
-    provenance = Provenance(
-        origin="NeMo-RL PR #3494 (vllm_worker_async.py builds vLLM's OpenAI server in-process)",
-        upstream_fix=None,
-        first_fixed_release=None,
-    )
-    # on disk, the patched (or upstream-fixed) constructor loads the template itself
-    marker = Marker("vllm.renderers.online_renderer", "OnlineRenderer.__init__", LOADER)
-    families = {"0.25": ">=0.25.1,<0.26", "0.33": ">=0.33.0,<0.34"}
+    declaration = DECLARATION  # one target per consumer class (CONSUMERS): its __init__
 
-    def consumer_of(self, module):
-        """The consumer class name target ``module`` defines (CONSUMERS is in the targets' order)."""
-        return list(CONSUMERS)[self.targets.index(module.__name__)]
-
-    def probe(self, module):
+    def probe(self, module: "ModuleType") -> Verdict:
         from .resolve import LOADER_MODULES, vllm_loader
 
-        found = consumer(module, self.consumer_of(module))
+        found = consumer(module, self.role_of(module))
         if isinstance(found, str):
             return drifted(found)
         owner, _ = found
@@ -78,12 +74,15 @@ class VllmChatTemplateFix(Fix):
             f"{owner.__name__}.__init__ stores chat_template as given: a path would be rendered as the template"
         )
 
-    def wrappers(self, module):
+    def wrappers(self, module: "ModuleType") -> "Iterator[tuple[object, str, Callable[..., Any]]]":
         from .resolve import construct
 
-        owner, parameter = consumer(module, self.consumer_of(module))  # probed first: a consumer of known shape
+        found = consumer(module, self.role_of(module))  # probed first: a consumer of known shape
+        assert not isinstance(found, str), found
+        owner, parameter = found
 
-        def server_constructor(wrapped, instance, args, kwargs):
+        def server_constructor(wrapped: "Callable[..., Any]", instance: "Any", args: "tuple[Any, ...]",
+                               kwargs: "dict[str, Any]") -> "Any":
             return construct(wrapped, instance, args, kwargs, parameter)
 
         yield owner, "__init__", server_constructor

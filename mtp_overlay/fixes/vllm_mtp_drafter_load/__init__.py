@@ -39,12 +39,21 @@ Parameters counted: every parameter of the drafter except its (shared or copied)
 
 from _thread import RLock
 
-from ...contract import Fix, Marker, defined_in, OverlayError, OverlayWarning, Provenance, drifted, needed, redundant
+from ...calls import argument, with_argument
+from ...contract import Marker, OverlayError, OverlayWarning, Verdict, defined_in, drifted, needed, redundant
+from .. import Fix
+from .declaration import DECLARATION
 
-# the drafter classes (one per drafter target module) whose load_weights(self, weights) returns the
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterator
+    from types import ModuleType
+    from typing import Any
+
+# drafter target role -> the class its module defines, whose load_weights(self, weights) returns the
 # names of the parameters it loaded: NemotronHMTP (mtp.* naming), DeepSeekMTP (positional naming); the
 # other targets are vLLM's layerwise reload modules, whose begin/end bracket a refit
-DRAFTERS = ("NemotronHMTP", "DeepSeekMTP")
+DRAFTERS = {"drafter_nemotron_h": "NemotronHMTP", "drafter_deepseek": "DeepSeekMTP"}
 BEGIN, END = "initialize_layerwise_reload", "finalize_layerwise_reload"
 SHOWN = 32  # names listed in a report's message; the report object holds them all
 
@@ -52,7 +61,7 @@ _lock = RLock()
 # per drafter, made on first use (weakref is not imported at interpreter start: `import mtp_overlay`
 # stays cheap): "refits" -> open Refit, "shapes" -> DrafterShape, "reports" -> last RefitReport,
 # "counts" -> refits closed so far
-_tables = {}
+_tables: "dict[str, Any]" = {}
 
 
 def _table(name):
@@ -218,10 +227,10 @@ class drafter_refit:
             from vllm.model_executor.models.utils import MTPDrafterRefits
 
             self._begin, self._end, self._discard = MTPDrafterRefits.begin, MTPDrafterRefits.end, MTPDrafterRefits.discard
-        elif type(model).__name__ in DRAFTERS:
+        elif type(model).__name__ in DRAFTERS.values():
             self._begin = self._end = self._discard = _no_code  # the fix is disabled
         else:
-            raise TypeError(f"model must be a vLLM MTP drafter ({', '.join(DRAFTERS)}), got {type(model).__name__}")
+            raise TypeError(f"model must be a vLLM MTP drafter ({', '.join(DRAFTERS.values())}), got {type(model).__name__}")
 
     def __enter__(self):
         self._begin(self.model)
@@ -291,16 +300,14 @@ def _observed(model, refit, weights, closed):
         yield pair
 
 
-def checked_load_weights(wrapped, instance, args, kwargs):
+def checked_load_weights(wrapped: "Callable[..., Any]", instance: "Any", args: "tuple[Any, ...]",
+                         kwargs: "dict[str, Any]") -> "Any":
     """The drafter's ``load_weights`` on its stream as given; the loaded names counted into the refit."""
-    if args:
-        weights, args = args[0], args[1:]
-    elif "weights" in kwargs:
-        kwargs = dict(kwargs)
-        weights = kwargs.pop("weights")
-    else:
+    try:
+        weights = argument(args, kwargs, 0, "weights")
+    except TypeError:
         return wrapped(*args, **kwargs)  # vLLM's own TypeError
-    closed = []
+    closed: "list[RefitReport]" = []
     refits = _table("refits")
     with _lock:
         refit = refits.get(instance)
@@ -308,7 +315,8 @@ def checked_load_weights(wrapped, instance, args, kwargs):
             refit = refits[instance] = Refit(None)
         refit.calls += 1
     try:
-        loaded = wrapped(_observed(instance, refit, weights, closed), *args, **kwargs)
+        args, kwargs = with_argument(args, kwargs, 0, "weights", _observed(instance, refit, weights, closed))
+        loaded = wrapped(*args, **kwargs)
     except BaseException:
         with _lock:
             if getattr(refits.get(instance), "boundary", "") is None:  # an implicit refit died with its call
@@ -322,8 +330,8 @@ def checked_load_weights(wrapped, instance, args, kwargs):
     return loaded
 
 
-def _model_argument(args, kwargs):
-    return args[0] if args else kwargs.get("model")
+def _model_argument(args: "tuple[Any, ...]", kwargs: "dict[str, Any]") -> "Any":
+    return argument(args, kwargs, 0, "model", None)
 
 
 def is_drafter(model):
@@ -364,30 +372,20 @@ def _parameters(function):
 
 
 class VllmMtpDrafterLoadFix(Fix):
-    name = "vllm-mtp-drafter-load"
-    summary = "Report a refit that leaves vLLM's MTP drafter with parameters never loaded or MTP names dropped."
-    distribution = "vllm"
-    provenance = Provenance(
-        origin="NeMo-RL PR #3494 (MTP namespace vs positional layer naming; drafter frozen while the trainer's head moved)",
-        upstream_fix=None,
-        first_fixed_release=None,
-    )
-    # on disk: the source patch routes load_weights and the layerwise reload through this helper
-    marker = Marker("vllm.model_executor.models.nemotron_h_mtp", "NemotronHMTP.load_weights", "MTPDrafterRefits")
-    families = {"0.25": ">=0.25.1,<0.26", "0.33": ">=0.33.0,<0.34"}
+    declaration = DECLARATION  # targets: the drafters (DRAFTERS), then vLLM's layerwise reload modules
 
-    def _patched(self, function):
+    def _patched(self, function: "Any") -> bool:
         """Whether ``function`` calls the source patch's helper."""
         if not hasattr(function, "__code__"):
             return False
         return Marker(function.__module__, function.__qualname__, self.marker.calls).in_function(function)
 
-    def probe(self, module):
-        drafter_module = module.__name__ in self.targets[: len(DRAFTERS)]
-        if drafter_module:
-            owner = defined_in(module, DRAFTERS)
+    def probe(self, module: "ModuleType") -> Verdict:
+        role = self.role_of(module)
+        if role in DRAFTERS:
+            owner = defined_in(module, [DRAFTERS[role]])
             if owner is None:
-                return drifted(f"{module.__name__} has none of {', '.join(DRAFTERS)}")
+                return drifted(f"{module.__name__} has no {DRAFTERS[role]}")
             method = vars(owner).get("load_weights")
             if method is None:
                 return drifted(f"{owner.__name__} defines no load_weights")
@@ -409,9 +407,10 @@ class VllmMtpDrafterLoadFix(Fix):
                 return drifted(f"{name}{tuple(p.name for p in _parameters(function))} no longer takes the model first")
         return needed("vLLM's layerwise reload brackets every refit it runs")
 
-    def wrappers(self, module):
-        if module.__name__ in self.targets[: len(DRAFTERS)]:
-            owner = defined_in(module, DRAFTERS)
+    def wrappers(self, module: "ModuleType") -> "Iterator[tuple[object, str, Callable[..., Any]]]":
+        role = self.role_of(module)
+        if role in DRAFTERS:
+            owner = defined_in(module, [DRAFTERS[role]])
             yield owner, "load_weights", checked_load_weights
             return
         for name, wrapper in RELOAD_WRAPPERS.items():

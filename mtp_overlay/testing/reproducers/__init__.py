@@ -34,13 +34,13 @@ def reproduce(fix_id):
 def stock_run(fix_id):
     """`reproduce` for upstream tracking: any failure to run becomes `StockPathNotRun`, naming the
     upstream distribution and version, the error and where in the code it was raised."""
-    from mtp_overlay import registry
+    from mtp_overlay import declarations
     from mtp_overlay.contract import distribution_version
 
     try:
         return reproduce(fix_id)
     except Exception as exc:
-        distribution = registry.get(fix_id).distribution
+        distribution = declarations.load(fix_id).distribution
         failure = StockPathNotRun(fix_id, distribution, distribution_version(distribution), failure_reason(exc))
     raise failure  # outside the except block: the report carries no chained traceback
 

@@ -7,9 +7,9 @@ normalizes devices, a source-patched one included, reads as redundant.
 """
 
 import importlib
-import inspect
 
-from mtp_overlay import registry
+from mtp_overlay import declarations
+from mtp_overlay.calls import original
 
 from ..streams import RecordingCommunicator, host_streams
 
@@ -17,11 +17,11 @@ from ..streams import RecordingCommunicator, host_streams
 def reproduce():
     from mtp_overlay.fixes.device_normalized_broadcast import PRODUCERS
 
-    packed_tensor = importlib.import_module(registry.get("device-normalized-broadcast").targets[0])
+    packed_tensor = importlib.import_module(declarations.load("device-normalized-broadcast").target("packed_tensor"))
     name = next((name for name in PRODUCERS if name in vars(packed_tensor)), None)
     if name is None:
         raise RuntimeError(f"{packed_tensor.__name__} has none of the producers {PRODUCERS}")
-    error = stock_producer_error(packed_tensor, inspect.unwrap(vars(packed_tensor)[name]))
+    error = stock_producer_error(packed_tensor, original(vars(packed_tensor)[name]))
     return error is not None, f"stock {name} on a host+meta stream to a meta communicator: {error or 'sent it'}"
 
 

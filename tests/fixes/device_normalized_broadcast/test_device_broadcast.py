@@ -451,7 +451,7 @@ def test_older_producer_name_is_hooked_too():
     older = edited(packed_tensor, f"def {PRODUCER}(", "def packed_broadcast_producer(")
     assert FIX.probe(older).state == "needed"
     # its own bookkeeping: the registry's lifecycle keeps hooking the real vLLM
-    fix = Lifecycle(NAME, FIX.targets, type(FIX)())
+    fix = Lifecycle(NAME, FIX.declaration.modules, type(FIX)())
     fix.install(older)
     try:
         assert [attribute for _, attribute in fix.wrapped()] == ["packed_broadcast_producer"]

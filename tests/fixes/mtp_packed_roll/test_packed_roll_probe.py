@@ -29,7 +29,8 @@ import torch
 import mtp_overlay
 import megatron.core.transformer.multi_token_prediction as m
 from mtp_overlay.testing.packed_reference import packed_params
-row = mtp_overlay.status(only=["mtp-packed-roll"])[0]
+from mtp_overlay.patching.survey import patched_on_disk
+row = mtp_overlay.status(only=["mtp-packed-roll"], patched=patched_on_disk)[0]
 wrapped = sorted(attribute for _, attribute in mtp_overlay.registry.lifecycle("mtp-packed-roll").wrapped())
 out = {"state": row.state, "reason": row.reason, "version": row.version, "patched": row.patched, "wrapped": wrapped}
 if "return_sum" in m.roll_tensor.__code__.co_varnames:

@@ -81,7 +81,8 @@ def test_apply_check_revert_round_trip_is_byte_identical(version, vllm_copy, tmp
 def test_stock_release_needs_the_fix_on_every_consumer():
     row = registry.check([NAME])[0]
     assert row.verdict == "needed" and row.version == "0.33.0"
-    for module, class_name in zip(FIX.targets, CONSUMERS):
+    for role, module in FIX.targets.items():
+        class_name = CONSUMERS[role][0]
         assert f"{module}: {class_name}.__init__ stores chat_template as given" in row.reason
 
 
@@ -147,7 +148,7 @@ def overlay():
 def test_uninstall_restores_every_constructor_and_install_wraps_once(overlay):
     import importlib
 
-    owners = [getattr(importlib.import_module(module), class_name) for module, class_name in zip(FIX.targets, CONSUMERS)]
+    owners = [getattr(importlib.import_module(module), CONSUMERS[role][0]) for role, module in FIX.targets.items()]
     overlay(True)
     wrapped = [vars(owner)["__init__"] for owner in owners]
     originals = [init.__wrapped__ for init in wrapped]

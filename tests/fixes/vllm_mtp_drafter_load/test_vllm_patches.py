@@ -96,7 +96,8 @@ from vllm.model_executor.models import deepseek_mtp, nemotron_h_mtp, utils
 out = {"version": vllm.__version__, "where": os.path.dirname(vllm.__file__)}
 modules = (nemotron_h_mtp, deepseek_mtp, layerwise, packed_tensor, nccl_engine)
 out["probes"] = [(DRAFTER_FIX if i < 3 else BROADCAST_FIX).probe(m).state for i, m in enumerate(modules)]
-out["status"] = {row.name: [row.state, row.patched] for row in mtp_overlay.status() if row.name in ("vllm-mtp-drafter-load", "device-normalized-broadcast")}
+from mtp_overlay.patching.survey import patched_on_disk
+out["status"] = {row.name: [row.state, row.patched] for row in mtp_overlay.status(patched=patched_on_disk) if row.name in ("vllm-mtp-drafter-load", "device-normalized-broadcast")}
 said = []
 handler = logging.Handler(logging.WARNING)
 handler.emit = lambda record: said.append(record.getMessage())
@@ -206,7 +207,9 @@ def test_container_build_script_on_a_fresh_environment_with_vllm(tmp_path):
          "import vllm.model_executor.models.nemotron_h_mtp, vllm.model_executor.models.deepseek_mtp\n"
          "import vllm.model_executor.model_loader.reload.inplace, vllm.distributed.weight_transfer.nccl_engine\n"
          "import vllm.renderers.online_renderer\n"
-         "print(json.dumps({r.name: [r.state, r.patched] for r in mtp_overlay.status() if r.distribution == 'vllm'}))"],
+         "from mtp_overlay.patching.survey import patched_on_disk\n"
+         "print(json.dumps({r.name: [r.state, r.patched] for r in mtp_overlay.status(patched=patched_on_disk)\n"
+         "                  if r.distribution == 'vllm'}))"],
         capture_output=True, text=True, timeout=900, env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
     assert hooks.returncode == 0, hooks.stderr[-3000:]
     assert json.loads(hooks.stdout.strip().splitlines()[-1]) == {fix: ["redundant", True] for fix in VLLM_PATCHED}
