@@ -7,13 +7,17 @@ its upstream target module, so nothing upstream is imported here, and no fix's c
 
 from .registry import FIXES, check, install, status, uninstall
 
+TYPE_CHECKING = False  # type checkers take the block below; no `import typing` here (it costs every interpreter)
+if TYPE_CHECKING:
+    from .contract import OverlayError, OverlayWarning, State
+
 __all__ = ["FIXES", "OverlayError", "OverlayWarning", "State", "check", "install", "status", "uninstall"]
 __version__ = "0.1.0"
 
 _CONTRACT = ("OverlayError", "OverlayWarning", "State")
 
 
-def __getattr__(name):
+def __getattr__(name: str) -> object:
     # the contract module loads on first use, not at import (it costs every interpreter otherwise)
     if name in _CONTRACT:
         from . import contract
