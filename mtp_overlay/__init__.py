@@ -8,6 +8,10 @@ generated table of fix ids and target modules). Switches: ``MTP_OVERLAY_DISABLE`
 
 from .registry import check, install, status, uninstall
 
+TYPE_CHECKING = False  # type checkers take the block below; no `import typing` here (it costs every interpreter)
+if TYPE_CHECKING:
+    from .contract import OverlayError, OverlayWarning, State
+
 __all__ = ["FIXES", "OverlayError", "OverlayWarning", "State", "check", "install", "status", "uninstall"]
 __version__ = "0.1.0"
 

@@ -4,12 +4,21 @@ NeMo-RL setattr's the keys blindly: on an older megatron-core a missing field be
 attribute nobody reads, and MTP silently runs with the defaults.
 """
 
+from __future__ import annotations
+
 import dataclasses
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, TypeVar
 
 from ..contract import distribution_version
 
+if TYPE_CHECKING:  # annotations only: megatron loads inside the functions
+    from megatron.core.transformer import TransformerConfig
+
+    Config = TypeVar("Config", bound=TransformerConfig)
+
 # megatron-core MTP feature -> first release carrying it: the one place these thresholds live
-FIRST_RELEASE = {
+FIRST_RELEASE: dict[str, str] = {
     "mtp_num_layers": "0.12",
     "mtp_loss_scaling_factor": "0.12",
     "mtp_use_repeated_layer": "0.17",
@@ -18,10 +27,10 @@ FIRST_RELEASE = {
     "mtp_labels_from_input_ids": "0.19.0",  # Megatron-LM PR #3457: labels=None rolls input_ids
 }
 # the TransformerConfig keys `apply_mtp_config` sets
-MTP_CONFIG_KEYS = {key: FIRST_RELEASE[key] for key in ("mtp_num_layers", "mtp_loss_scaling_factor", "mtp_use_repeated_layer", "mtp_detach_heads")}
+MTP_CONFIG_KEYS: dict[str, str] = {key: FIRST_RELEASE[key] for key in ("mtp_num_layers", "mtp_loss_scaling_factor", "mtp_use_repeated_layer", "mtp_detach_heads")}
 
 
-def apply_mtp_config(config, mtp_config):
+def apply_mtp_config(config: Config, mtp_config: Mapping[str, object]) -> Config:
     """Set each key of ``mtp_config`` present in it (of `MTP_CONFIG_KEYS`) on ``config``; return ``config``.
 
     ``config``: a TransformerConfig or a dataclass subclass of it (e.g. a Megatron-Bridge provider).

@@ -6,28 +6,41 @@ model that slices context parallelism itself (class attribute
 full rows and returns ``(output, sliced_loss_mask)``; any other model takes the CP-local shard.
 """
 
+from __future__ import annotations
+
 import contextlib
 import contextvars
+from typing import TYPE_CHECKING, Any
 
 from .mask import _shape, check_weights, unwrap_model
 from .packing import _check_cp, _check_cu_seqlens, cp_local_indices, cp_shard
 
-_SCOPED_LOSS_MASK = contextvars.ContextVar("mtp_overlay_scoped_loss_mask", default=None)
+if TYPE_CHECKING:  # annotations only: torch and megatron load inside the functions
+    from collections.abc import Iterator
+
+    import torch
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+_SCOPED_LOSS_MASK: contextvars.ContextVar[torch.Tensor | None] = contextvars.ContextVar(
+    "mtp_overlay_scoped_loss_mask", default=None
+)
 
 
-def model_slices_context_parallel(model):
+def model_slices_context_parallel(model: Any) -> bool:
     """True when the (unwrapped) model declares ``model_slices_context_parallel_inputs = True``."""
     return getattr(unwrap_model(model), "model_slices_context_parallel_inputs", False) is True
 
 
-def shard_for_model(model, tensor, cp_size, cp_rank, cu_seqlens_padded=None):
+def shard_for_model(
+    model: Any, tensor: torch.Tensor, cp_size: int, cp_rank: int, cu_seqlens_padded: torch.Tensor | None = None
+) -> torch.Tensor:
     """``tensor`` (tokens or mask, full rows) in the layout ``model`` takes: full or CP-local."""
     if model_slices_context_parallel(model):
         return tensor
     return cp_shard(tensor, cp_size, cp_rank, cu_seqlens_padded)
 
 
-def split_output(output):
+def split_output(output: Any) -> tuple[Any, torch.Tensor | None]:
     """``(logits_or_loss, sliced_loss_mask)``: unwraps a CP-slicing model's 2-tuple, else ``(output, None)``."""
     if isinstance(output, (tuple, list)):
         if len(output) != 2:
@@ -36,13 +49,13 @@ def split_output(output):
     return output, None
 
 
-def unwrap_output(output):
+def unwrap_output(output: Any) -> Any:
     """The logits (or loss) of a model output, dropping a CP-slicing model's sliced loss mask."""
     return split_output(output)[0]
 
 
 @contextlib.contextmanager
-def loss_mask_scope(loss_mask):
+def loss_mask_scope(loss_mask: torch.Tensor | None) -> Iterator[torch.Tensor | None]:
     """Within the block, GPTModel/HybridModel.forward calls without a ``loss_mask`` get this one.
 
     Needs the ``mtp-loss-mask`` hook installed (``import mtp_overlay``). Scoped through a
@@ -62,12 +75,18 @@ def loss_mask_scope(loss_mask):
         _SCOPED_LOSS_MASK.reset(token)
 
 
-def scoped_loss_mask():
+def scoped_loss_mask() -> torch.Tensor | None:
     """The mask of the innermost `loss_mask_scope`, or None."""
     return _SCOPED_LOSS_MASK.get()
 
 
-def check_loss_mask_layout(input_ids, loss_mask, packed_seq_params=None, cp_size=1, cp_rank=0):
+def check_loss_mask_layout(
+    input_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    packed_seq_params: PackedSeqParams | None = None,
+    cp_size: int = 1,
+    cp_rank: int = 0,
+) -> None:
     """ValueError unless ``loss_mask`` has the layout of ``input_ids`` (NeMo-RL PR #3494).
 
     Rules: same shape as ``input_ids``; for packed input (``packed_seq_params`` given; a row that is
@@ -105,7 +124,13 @@ def check_loss_mask_layout(input_ids, loss_mask, packed_seq_params=None, cp_size
         )
 
 
-def padding_slots(local_length, packed_seq_params, cp_size=1, cp_rank=0, device=None):
+def padding_slots(
+    local_length: int,
+    packed_seq_params: PackedSeqParams,
+    cp_size: int = 1,
+    cp_rank: int = 0,
+    device: torch.device | None = None,
+) -> torch.Tensor:
     """Boolean [local_length]: which slots of a (CP-local) packed row are padding."""
     import torch
 
@@ -135,12 +160,12 @@ def padding_slots(local_length, packed_seq_params, cp_size=1, cp_rank=0, device=
     return padding[cp_local_indices(padded_cu, cp_size, cp_rank)]
 
 
-def _check_tensor(value, name, expected="a torch.Tensor"):
+def _check_tensor(value: object, name: str, expected: str = "a torch.Tensor") -> None:
     import torch
 
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{name} must be {expected}, got {type(value).__name__}")
 
 
-def _as_list(tensor):
+def _as_list(tensor: torch.Tensor | None) -> list[int] | None:
     return None if tensor is None else tensor.tolist()[:16]

@@ -7,8 +7,22 @@ unshifted (Megatron rolls it) and only when MTP is on: building it unconditional
 self-packing VLM recipes (NeMo-RL issue #2869).
 """
 
+from __future__ import annotations
 
-def unwrap_model(model):
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # annotations only: torch and megatron load inside the functions
+    from typing import TypeAlias
+
+    import torch
+    from megatron.core.transformer import TransformerConfig
+    from torch.distributed import ProcessGroup
+
+    # a TransformerConfig, or a model (possibly wrapped through .module) whose .config is one
+    ModelOrConfig: TypeAlias = "torch.nn.Module | TransformerConfig"
+
+
+def unwrap_model(model: Any) -> Any:
     """The model inside DDP / Float16Module-style wrappers (followed through ``.module``)."""
     chain = [model]
     while hasattr(model, "module"):
@@ -20,7 +34,7 @@ def unwrap_model(model):
     return model
 
 
-def config_of(model_or_config):
+def config_of(model_or_config: ModelOrConfig) -> TransformerConfig:
     """The TransformerConfig of a (wrapped) model, or the argument itself when it is a config.
 
     TypeError unless the result has ``mtp_num_layers`` (megatron-core 0.12+ TransformerConfig).
@@ -35,22 +49,22 @@ def config_of(model_or_config):
     return config
 
 
-def mtp_num_layers(model_or_config):
+def mtp_num_layers(model_or_config: ModelOrConfig) -> int:
     """``config.mtp_num_layers`` as an int; 0 when it is None."""
     return int(config_of(model_or_config).mtp_num_layers or 0)
 
 
-def mtp_enabled(model_or_config):
+def mtp_enabled(model_or_config: ModelOrConfig) -> bool:
     return mtp_num_layers(model_or_config) > 0
 
 
-def check_binary(tensor, name):
+def check_binary(tensor: torch.Tensor, name: str) -> None:
     """ValueError naming ``name`` unless every element of ``tensor`` is 0 or 1."""
     if not bool(((tensor == 0) | (tensor == 1)).all()):
         raise ValueError(f"{name} must hold only 0 and 1, got values {sorted(set(tensor.unique().tolist()))[:8]}")
 
 
-def check_weights(tensor, name):
+def check_weights(tensor: torch.Tensor, name: str) -> None:
     """ValueError naming ``name`` unless every element of ``tensor`` is a finite weight >= 0: a NaN
     or infinite loss-mask entry makes the MTP loss NaN, a negative one trains against the target."""
     import torch
@@ -61,7 +75,7 @@ def check_weights(tensor, name):
         raise ValueError(f"{name} must hold weights >= 0, got {float(tensor.min())}")
 
 
-def check_sample_mask(sample_mask, batch_size):
+def check_sample_mask(sample_mask: torch.Tensor, batch_size: int) -> None:
     """``sample_mask``: 1-D, one finite non-negative weight per row."""
     import torch
 
@@ -75,7 +89,7 @@ def check_sample_mask(sample_mask, batch_size):
         raise ValueError("sample_mask must hold non-negative weights, got a negative one")
 
 
-def check_token_mask(token_mask):
+def check_token_mask(token_mask: torch.Tensor) -> None:
     import torch
 
     if not isinstance(token_mask, torch.Tensor) or token_mask.dim() != 2:
@@ -83,7 +97,7 @@ def check_token_mask(token_mask):
     check_binary(token_mask, "token_mask")
 
 
-def check_masks(token_mask, sample_mask):
+def check_masks(token_mask: torch.Tensor, sample_mask: torch.Tensor) -> None:
     """Both masks on one device, then `check_token_mask` and `check_sample_mask` (one weight per row)."""
     import torch
 
@@ -96,7 +110,9 @@ def check_masks(token_mask, sample_mask):
     check_sample_mask(sample_mask, token_mask.shape[0])
 
 
-def build_mtp_loss_mask(token_mask, sample_mask, model_or_config):
+def build_mtp_loss_mask(
+    token_mask: torch.Tensor, sample_mask: torch.Tensor, model_or_config: ModelOrConfig
+) -> torch.Tensor | None:
     """``token_mask [B, S] * sample_mask[:, None]`` as float32, or None when MTP is off.
 
     ``token_mask``: 1 on trained (response) tokens, 0 on prompt and padding, in the same [B, S]
@@ -113,7 +129,7 @@ def build_mtp_loss_mask(token_mask, sample_mask, model_or_config):
     return token_mask.to(torch.float32) * sample_mask.to(torch.float32)[:, None]
 
 
-def global_valid_tokens(token_mask, sample_mask, group=None):
+def global_valid_tokens(token_mask: torch.Tensor, sample_mask: torch.Tensor, group: ProcessGroup | None = None) -> float:
     """``sum(token_mask[:, 1:] * sample_mask[:, None])`` over the data-parallel ranks, as a float.
 
     The first token of a row never is a target. When torch.distributed is initialised the sum is
@@ -133,16 +149,17 @@ def global_valid_tokens(token_mask, sample_mask, group=None):
     return float(total)
 
 
-def _data_parallel_group():
+def _data_parallel_group() -> ProcessGroup | None:
     try:
         from megatron.core import parallel_state
     except ImportError:
         return None
     if parallel_state.model_parallel_is_initialized():
-        return parallel_state.get_data_parallel_group()
+        group: ProcessGroup = parallel_state.get_data_parallel_group()
+        return group
     return None
 
 
-def _shape(value):
+def _shape(value: object) -> list[int] | str:
     shape = getattr(value, "shape", None)
     return list(shape) if shape is not None else type(value).__name__

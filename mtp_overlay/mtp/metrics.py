@@ -8,10 +8,33 @@ position (``SpecDecodingStats``); nothing collected them for RL, so a drafter le
 showed up only as "acceptance is low". Names follow NeMo-RL's ``mtp/`` convention (`with_prefix`).
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # annotations only
+    from collections.abc import Mapping, Sequence
+    from typing import Protocol, TypeAlias, TypeVar
+
+    Value = TypeVar("Value")
+
+    class SpecDecodingCounts(Protocol):
+        """What is read of a vLLM ``SpecDecodingStats`` (``vllm.v1.spec_decode.metrics``)."""
+
+        @property
+        def num_drafts(self) -> int: ...
+        @property
+        def num_accepted_tokens(self) -> int: ...
+        @property
+        def num_accepted_tokens_per_pos(self) -> Sequence[int]: ...
+
+    # one entry per rollout worker: its stats, or a list of its scheduler steps' stats
+    WorkerStats: TypeAlias = "Sequence[SpecDecodingCounts | Sequence[SpecDecodingCounts]]"
+
 METRICS_PREFIX = "mtp/"
 
 
-def mtp_metrics(num_microbatches):
+def mtp_metrics(num_microbatches: int) -> dict[str, float]:
     """``{"mtp_{i}_loss": ..., "mtp_{i}_acceptance_rate": ...}`` for layers i = 1..N, then clean.
 
     loss = loss_values[i-1] / num_microbatches; acceptance_rate = 100 * correct / max(total, 1).
@@ -33,14 +56,14 @@ def mtp_metrics(num_microbatches):
     MTPLossLoggingHelper.clean_metrics_in_tracker()
     if not any(losses) and not any(total):
         return {}
-    metrics = {}
+    metrics: dict[str, float] = {}
     for i, (loss, right, count) in enumerate(zip(losses, correct, total), start=1):
         metrics[f"mtp_{i}_loss"] = loss
         metrics[f"mtp_{i}_acceptance_rate"] = 100.0 * right / max(count, 1.0)
     return metrics
 
 
-def with_prefix(metrics, prefix=METRICS_PREFIX):
+def with_prefix(metrics: Mapping[str, Value], prefix: str = METRICS_PREFIX) -> dict[str, Value]:
     """``metrics`` with every name under ``prefix`` (NeMo-RL logs MTP metrics under ``mtp/``)."""
     return {prefix + name: value for name, value in metrics.items()}
 
@@ -48,7 +71,7 @@ def with_prefix(metrics, prefix=METRICS_PREFIX):
 _STATS_FIELDS = ("num_drafts", "num_accepted_tokens", "num_accepted_tokens_per_pos")
 
 
-def rollout_mtp_metrics(worker_stats):
+def rollout_mtp_metrics(worker_stats: WorkerStats) -> dict[str, float]:
     """``{"rollout_acceptance_pos_{k}": ..., "rollout_mean_acceptance_length": ...}`` over rollout workers.
 
     ``worker_stats``: one entry per rollout worker, each a vLLM ``SpecDecodingStats``
@@ -63,7 +86,8 @@ def rollout_mtp_metrics(worker_stats):
     """
     if isinstance(worker_stats, (str, bytes)) or not isinstance(worker_stats, (list, tuple)) or not worker_stats:
         raise ValueError(f"worker_stats must be a non-empty list (one entry per rollout worker), got {worker_stats!r:.200}")
-    positions, drafts, accepted, per_pos = None, 0, 0, None
+    positions, drafts, accepted = None, 0, 0
+    per_pos: list[int] = []  # summed per position, from the first entry on
     for worker, entry in enumerate(worker_stats):
         steps = entry if isinstance(entry, (list, tuple)) else [entry]
         if not steps:
@@ -86,7 +110,7 @@ def rollout_mtp_metrics(worker_stats):
     return metrics
 
 
-def _spec_decode_counts(stats, where):
+def _spec_decode_counts(stats: object, where: str) -> tuple[int, int, list[int]]:
     missing = [name for name in _STATS_FIELDS if not hasattr(stats, name)]
     if missing:
         raise ValueError(f"{where} must be a vLLM SpecDecodingStats (with {', '.join(_STATS_FIELDS)}), "
@@ -107,7 +131,7 @@ def _spec_decode_counts(stats, where):
     return drafts, accepted, per_pos
 
 
-def acceptance_gap(train_metrics, rollout_metrics):
+def acceptance_gap(train_metrics: dict[str, float], rollout_metrics: dict[str, float]) -> dict[str, float]:
     """``{"acceptance_gap_1": train depth-1 acceptance - rollout position-1 acceptance}`` (percentage points).
 
     From `mtp_metrics` and `rollout_mtp_metrics` (names with or without the ``mtp/`` prefix). Under
@@ -126,7 +150,7 @@ def acceptance_gap(train_metrics, rollout_metrics):
     return {"acceptance_gap_1": train["mtp_1_acceptance_rate"] - rollout["rollout_acceptance_pos_1"]}
 
 
-def _unprefixed(metrics, argument):
+def _unprefixed(metrics: dict[str, float], argument: str) -> dict[str, float]:
     if not isinstance(metrics, dict):
         raise ValueError(f"{argument} must be a dict of metric name -> value, got {type(metrics).__name__}")
     return {name.removeprefix(METRICS_PREFIX): value for name, value in metrics.items()}

@@ -7,29 +7,48 @@ CP sharding is the load-balanced layout of megatron-core's ``get_batch_on_this_c
 sequence is cut into ``2 * cp_size`` chunks and rank r keeps chunks r and ``2 * cp_size - 1 - r``.
 """
 
-import collections
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, NamedTuple
 
 from .mask import _shape, check_weights
 
-PackedBatch = collections.namedtuple(
-    "PackedBatch", ["input_ids", "loss_mask", "cu_seqlens", "cu_seqlens_padded", "max_seqlen"]
-)
-PackedBatch.__doc__ = """Output of `pack_sequences`.
-
-input_ids, loss_mask: [1, T] (loss_mask None when none was given); cu_seqlens: int32 [n+1] real
-boundaries; cu_seqlens_padded: int32 [n+1] padded boundaries, T == cu_seqlens_padded[-1];
-max_seqlen: longest padded sequence (int).
-"""
+if TYPE_CHECKING:  # annotations only: torch and megatron load inside the functions
+    import torch
+    from megatron.core.packed_seq_params import PackedSeqParams
 
 
-def padding_multiple(cp_size=1, tp_size=1, sequence_parallel=False):
+class PackedBatch(NamedTuple):
+    """Output of `pack_sequences`.
+
+    input_ids, loss_mask: [1, T] (loss_mask None when none was given); cu_seqlens: int32 [n+1] real
+    boundaries; cu_seqlens_padded: int32 [n+1] padded boundaries, T == cu_seqlens_padded[-1];
+    max_seqlen: longest padded sequence (int).
+    """
+
+    input_ids: torch.Tensor
+    loss_mask: torch.Tensor | None
+    cu_seqlens: torch.Tensor
+    cu_seqlens_padded: torch.Tensor
+    max_seqlen: int
+
+
+def padding_multiple(cp_size: int = 1, tp_size: int = 1, sequence_parallel: bool = False) -> int:
     """Per-sequence padding multiple: ``2 * cp_size`` under CP, times ``tp_size`` under SP."""
     for name, value in (("cp_size", cp_size), ("tp_size", tp_size)):
         _check_positive_int(value, name)
     return (2 * cp_size if cp_size > 1 else 1) * (tp_size if sequence_parallel else 1)
 
 
-def pack_sequences(input_ids, lengths, loss_mask=None, *, pad_multiple=1, pad_token_id=0):
+def pack_sequences(
+    input_ids: torch.Tensor,
+    lengths: torch.Tensor | Sequence[int],
+    loss_mask: torch.Tensor | None = None,
+    *,
+    pad_multiple: int = 1,
+    pad_token_id: int = 0,
+) -> PackedBatch:
     """Pack rows ``input_ids[b, :lengths[b]]`` into one [1, T] row, and ``loss_mask`` identically.
 
     ``input_ids``: [B, S]; ``lengths``: B integers in [0, S]; ``loss_mask``: [B, S] or None.
@@ -54,7 +73,7 @@ def pack_sequences(input_ids, lengths, loss_mask=None, *, pad_multiple=1, pad_to
     source = _ramp(padded, rows * seq_len - cu_seqlens_padded[:-1]).clamp_(max=max(input_ids.numel() - 1, 0))
     padding = _ramp(padded - lengths, cu_seqlens[1:])  # slots past each sequence's length
 
-    def pack(values, fill):
+    def pack(values: torch.Tensor, fill: int) -> torch.Tensor:
         return values.reshape(-1).index_select(0, source).index_fill_(0, padding, fill)[None, :]
 
     tokens = pack(input_ids, pad_token_id)
@@ -63,7 +82,13 @@ def pack_sequences(input_ids, lengths, loss_mask=None, *, pad_multiple=1, pad_to
     return PackedBatch(tokens, mask, cu_seqlens.to(torch.int32), cu_seqlens_padded.to(torch.int32), max_seqlen)
 
 
-def unpack_sequences(packed, cu_seqlens, cu_seqlens_padded, seq_len, fill=0):
+def unpack_sequences(
+    packed: torch.Tensor,
+    cu_seqlens: torch.Tensor | Sequence[int],
+    cu_seqlens_padded: torch.Tensor | Sequence[int],
+    seq_len: int,
+    fill: float = 0,
+) -> torch.Tensor:
     """Inverse of `pack_sequences` for one packed row ([1, T] or [T]): back to [B, seq_len]."""
     row = _packed_row(packed)
     cu_padded = _check_cu_seqlens(cu_seqlens_padded, "cu_seqlens_padded", row.shape[0], row.device)
@@ -86,7 +111,9 @@ def unpack_sequences(packed, cu_seqlens, cu_seqlens_padded, seq_len, fill=0):
     return out
 
 
-def cp_shard(tensor, cp_size, cp_rank, cu_seqlens_padded=None):
+def cp_shard(
+    tensor: torch.Tensor, cp_size: int, cp_rank: int, cu_seqlens_padded: torch.Tensor | Sequence[int] | None = None
+) -> torch.Tensor:
     """This CP rank's part of ``tensor`` along its last (sequence) dimension.
 
     Without ``cu_seqlens_padded`` every row is one sequence (BSHD) of length divisible by
@@ -113,7 +140,13 @@ def cp_shard(tensor, cp_size, cp_rank, cu_seqlens_padded=None):
     return view.index_select(-2, index).reshape(*tensor.shape[:-1], -1)
 
 
-def cp_local_indices(cu_seqlens_padded, cp_size, cp_rank, total=None, device=None):
+def cp_local_indices(
+    cu_seqlens_padded: torch.Tensor | Sequence[int],
+    cp_size: int,
+    cp_rank: int,
+    total: int | None = None,
+    device: torch.device | None = None,
+) -> torch.Tensor:
     """Positions of the packed row that CP rank ``cp_rank`` keeps, in its local order."""
     import torch
 
@@ -134,7 +167,7 @@ def cp_local_indices(cu_seqlens_padded, cp_size, cp_rank, total=None, device=Non
     return _ramp(run_sizes, run_sources - _cumulative(run_sizes)[:-1])
 
 
-def packed_seq_params(packed, real_lengths=False):
+def packed_seq_params(packed: PackedBatch, real_lengths: bool = False) -> PackedSeqParams:
     """megatron-core PackedSeqParams (THD) for a `PackedBatch`.
 
     The tensors are laid out on the padded boundaries (``cu_seqlens_q_padded``). ``cu_seqlens_q``
@@ -171,7 +204,7 @@ def packed_seq_params(packed, real_lengths=False):
 
 
 # --- helpers ------------------------------------------------------------------------------------
-def _ramp(sizes, offsets):
+def _ramp(sizes: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """``arange(sum(sizes)) + repeat_interleave(offsets, sizes)``: runs of consecutive integers.
 
     Built as one cumulative sum of steps (1 inside a run, a jump at each run's start; empty runs
@@ -187,13 +220,13 @@ def _ramp(sizes, offsets):
     return steps.cumsum_(0)[:-1]
 
 
-def _cumulative(sizes):
+def _cumulative(sizes: torch.Tensor) -> torch.Tensor:
     import torch
 
     return torch.cat([sizes.new_zeros(1), sizes.cumsum(0)])
 
 
-def _check_rows(tensor, name):
+def _check_rows(tensor: torch.Tensor, name: str) -> torch.Size:
     import torch
 
     if not isinstance(tensor, torch.Tensor) or tensor.dim() != 2:
@@ -201,7 +234,7 @@ def _check_rows(tensor, name):
     return tensor.shape
 
 
-def _check_same_shape(tensor, name, reference, reference_name):
+def _check_same_shape(tensor: object, name: str, reference: torch.Tensor, reference_name: str) -> None:
     import torch
 
     if not isinstance(tensor, torch.Tensor) or tensor.shape != reference.shape:
@@ -210,7 +243,9 @@ def _check_same_shape(tensor, name, reference, reference_name):
         )
 
 
-def _check_lengths(lengths, batch_size, seq_len, device):
+def _check_lengths(
+    lengths: torch.Tensor | Sequence[int], batch_size: int, seq_len: int, device: torch.device
+) -> torch.Tensor:
     import torch
 
     if isinstance(lengths, (list, tuple)) and not lengths:
@@ -226,7 +261,9 @@ def _check_lengths(lengths, batch_size, seq_len, device):
     return lengths
 
 
-def _check_cu_seqlens(cu_seqlens, name, total, device):
+def _check_cu_seqlens(
+    cu_seqlens: torch.Tensor | Sequence[int], name: str, total: int | None, device: torch.device | None
+) -> torch.Tensor:
     import torch
 
     cu = torch.as_tensor(cu_seqlens, device=device)
@@ -240,7 +277,7 @@ def _check_cu_seqlens(cu_seqlens, name, total, device):
     return cu
 
 
-def _packed_row(packed):
+def _packed_row(packed: torch.Tensor) -> torch.Tensor:
     import torch
 
     if not isinstance(packed, torch.Tensor) or packed.dim() not in (1, 2) or (packed.dim() == 2 and packed.shape[0] != 1):
@@ -248,24 +285,25 @@ def _packed_row(packed):
     return packed.reshape(-1)
 
 
-def _check_cp(cp_size, cp_rank):
+def _check_cp(cp_size: int, cp_rank: int) -> None:
     _check_positive_int(cp_size, "cp_size")
     _check_positive_int(cp_rank, "cp_rank", minimum=0)
     if cp_rank >= cp_size:
         raise ValueError(f"cp_rank must lie in [0, cp_size={cp_size}), got {cp_rank}")
 
 
-def _check_positive_int(value, name, minimum=1):
+def _check_positive_int(value: object, name: str, minimum: int = 1) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int >= {minimum}, got {type(value).__name__} {value!r}")
     if value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
 
 
-def _check_pad_token_id(pad_token_id, dtype):
+def _check_pad_token_id(pad_token_id: int, dtype: torch.dtype) -> None:
     import torch
 
     _check_positive_int(pad_token_id, "pad_token_id", minimum=0)
+    largest: float  # an int but for floating dtypes
     if dtype == torch.bool:
         largest = 1
     else:

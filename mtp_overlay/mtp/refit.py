@@ -20,8 +20,18 @@ device). A Fletcher-style pair (plain sum, position-weighted sum mod 65521) catc
 changed byte and moved/swapped blocks; it is a staleness check, not a cryptographic hash.
 """
 
+from __future__ import annotations
+
 import re
-from collections import namedtuple
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:  # annotations only: torch loads inside the functions
+    from collections.abc import Callable, Iterable, Iterator
+    from typing import TypeAlias
+
+    import torch
+
+    NamedTensors: TypeAlias = "Iterable[tuple[str, torch.Tensor]]"
 
 # multimodal wrappers nest the language model's weights (vLLM strips these for Nemotron-H VL)
 _WRAPPER_PREFIXES = ("model.language_model.", "language_model.")
@@ -31,18 +41,24 @@ NAMESPACE, POSITIONAL = "mtp.*", "positional"
 _MODULUS = 65521  # largest prime below 2**16: position weights stay below 2**16
 _CHUNK_BYTES = 1 << 22  # bytes checksummed per step: bounds the int64 working set at 32 MiB
 
-TensorDigest = namedtuple("TensorDigest", "shape dtype size checksum")
-TensorDigest.__doc__ = "A tensor's fingerprint: shape (tuple), dtype (str), size in bytes, checksum (int pair)."
+
+class TensorDigest(NamedTuple):
+    """A tensor's fingerprint: shape (tuple), dtype (str), size in bytes, checksum (int pair)."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    size: int
+    checksum: tuple[int, ...]
 
 
-def strip_wrapper_prefix(name):
+def strip_wrapper_prefix(name: str) -> str:
     for prefix in _WRAPPER_PREFIXES:
         if name.startswith(prefix):
             return name[len(prefix):]
     return name
 
 
-def mtp_layer_of(name, num_hidden_layers, num_mtp_layers):
+def mtp_layer_of(name: str, num_hidden_layers: int, num_mtp_layers: int) -> tuple[str, int | None] | None:
     """``(naming, layer)`` when ``name`` is an MTP checkpoint weight, else None.
 
     naming: `NAMESPACE` for ``[model.]mtp.*``, `POSITIONAL` for ``[model.|backbone.]layers.<k>.``
@@ -63,7 +79,7 @@ def mtp_layer_of(name, num_hidden_layers, num_mtp_layers):
     return None
 
 
-def mtp_name_filter(num_hidden_layers, num_mtp_layers):
+def mtp_name_filter(num_hidden_layers: int, num_mtp_layers: int) -> Callable[[str], bool]:
     """A predicate on names: True for MTP weights in either naming (see `mtp_layer_of`)."""
     for argument, value, least in (("num_hidden_layers", num_hidden_layers, 0), ("num_mtp_layers", num_mtp_layers, 1)):
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
@@ -71,7 +87,7 @@ def mtp_name_filter(num_hidden_layers, num_mtp_layers):
     return lambda name: mtp_layer_of(name, num_hidden_layers, num_mtp_layers) is not None
 
 
-def tensor_checksum(tensor, dtype=None):
+def tensor_checksum(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(sum of bytes, position-weighted sum of bytes mod 65521)`` of ``tensor`` as 0-dim int64 tensors
     on its own device (no host sync); ``dtype``: cast first (a temporary copy on that device)."""
     import torch
@@ -96,7 +112,7 @@ def tensor_checksum(tensor, dtype=None):
     return plain, weighted
 
 
-def _digest(tensor, dtype):
+def _digest(tensor: torch.Tensor, dtype: torch.dtype | None) -> tuple[tuple[int, ...], str, int, torch.Tensor]:
     """(shape, dtype name, size in bytes, [2] int64 checksum on the tensor's device)."""
     import torch
 
@@ -106,7 +122,9 @@ def _digest(tensor, dtype):
     return tuple(tensor.shape), str(wire_dtype).removeprefix("torch."), size, torch.stack((plain, weighted))
 
 
-def fingerprint(named_tensors, keep=None, dtype=None):
+def fingerprint(
+    named_tensors: NamedTensors, keep: Callable[[str], bool] | None = None, dtype: torch.dtype | None = None
+) -> dict[str, TensorDigest]:
     """``{name: TensorDigest}`` of the ``(name, tensor)`` pairs in ``named_tensors``.
 
     ``keep``: a predicate on names (e.g. `mtp_name_filter`); ``dtype``: checksum the tensors cast to
@@ -114,7 +132,8 @@ def fingerprint(named_tensors, keep=None, dtype=None):
     """
     import torch
 
-    entries, sums = {}, {}  # name -> (shape, dtype, size); device -> [(name, checksum)]
+    entries: dict[str, tuple[tuple[int, ...], str, int]] = {}
+    sums: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
     for index, (name, tensor) in enumerate(_pairs(named_tensors, "named_tensors")):
         if keep is not None and not keep(name):
             continue
@@ -123,13 +142,18 @@ def fingerprint(named_tensors, keep=None, dtype=None):
         shape, dtype_name, size, checksum = _digest(tensor, dtype)
         entries[name] = (shape, dtype_name, size)
         sums.setdefault(checksum.device, []).append((name, checksum))
-    values = {}
+    values: dict[str, list[int]] = {}
     for pairs in sums.values():
         values.update(zip((name for name, _ in pairs), torch.stack([c for _, c in pairs]).tolist()))
     return {name: TensorDigest(*entries[name], tuple(values[name])) for name in entries}
 
 
-def record_fingerprints(named_tensors, into, keep=None, dtype=None):
+def record_fingerprints(
+    named_tensors: NamedTensors,
+    into: dict[str, TensorDigest],
+    keep: Callable[[str], bool] | None = None,
+    dtype: torch.dtype | None = None,
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield the pairs of ``named_tensors`` unchanged, adding each one's TensorDigest to ``into`` (a dict).
 
     For the receiving side: wrap what a drafter's ``load_weights`` consumes, e.g. the chunks of vLLM's
@@ -147,7 +171,7 @@ def record_fingerprints(named_tensors, into, keep=None, dtype=None):
         yield pair
 
 
-def compare_fingerprints(expected, received):
+def compare_fingerprints(expected: dict[str, TensorDigest], received: dict[str, TensorDigest]) -> dict[str, str]:
     """``{name: why}`` for every tensor whose digests differ or that only one side has ({} when fresh)."""
     for argument, value in (("expected", expected), ("received", received)):
         if not isinstance(value, dict):
@@ -168,20 +192,20 @@ def compare_fingerprints(expected, received):
 class StaleDrafterError(ValueError):
     """The drafter's MTP tensors are not the trainer's after a refit; ``problems`` maps name -> why."""
 
-    def __init__(self, problems):
+    def __init__(self, problems: dict[str, str]) -> None:
         self.problems = problems
         listed = "; ".join(f"{name}: {why}" for name, why in problems.items())
         super().__init__(f"the drafter did not receive the trainer's MTP head ({len(problems)} tensor(s)): {listed}")
 
 
-def check_fresh(expected, received):
+def check_fresh(expected: dict[str, TensorDigest], received: dict[str, TensorDigest]) -> None:
     """Raise StaleDrafterError naming every tensor whose received digest is not the trainer's."""
     problems = compare_fingerprints(expected, received)
     if problems:
         raise StaleDrafterError(problems)
 
 
-def _pairs(named_tensors, argument):
+def _pairs(named_tensors: NamedTensors, argument: str) -> Iterator[tuple[str, torch.Tensor]]:
     import torch
 
     try:

@@ -6,15 +6,31 @@ trainer normalises by the global number of valid target tokens; the callable mus
 step, or it lands in a saved config.
 """
 
+from __future__ import annotations
+
 import contextlib
+from typing import TYPE_CHECKING
 
 from ..contract import distribution_version
 from .config import FIRST_RELEASE
 from .mask import config_of, global_valid_tokens
 
+if TYPE_CHECKING:  # annotations only: torch loads inside the functions
+    from collections.abc import Iterator
+
+    import torch
+    from torch.distributed import ProcessGroup
+
+    from .mask import ModelOrConfig
+
 
 @contextlib.contextmanager
-def mtp_grad_scale(model_or_config, token_mask, sample_mask, group=None):
+def mtp_grad_scale(
+    model_or_config: ModelOrConfig,
+    token_mask: torch.Tensor,
+    sample_mask: torch.Tensor,
+    group: ProcessGroup | None = None,
+) -> Iterator[float]:
     """Within the block ``config.mtp_grad_scale_func() == 1 / max(global_valid_tokens, 1)``.
 
     ``global_valid_tokens`` = ``sum(token_mask[:, 1:] * sample_mask[:, None])`` all-reduced over the

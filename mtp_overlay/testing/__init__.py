@@ -26,9 +26,11 @@ Usage (``fn`` must be a module-level function, its arguments and return value pi
   started once (``ep``, ``etp``: expert model / expert tensor parallel sizes; ``etp=None`` is ``tp``),
   ``.run(fn, *, args=(), kwargs=None, fixes=None, timeout=300) -> list[RankResult]`` (rank, value,
   error) as many times as wanted (a failed run restarts the ranks); ``fixes``: None installs what
-  ``import mtp_overlay`` installs, a list exactly those fixes, ``[]`` none; ``log``: a file for the
-  ranks' own output. ``run_ranks(fn, world_size, **options)`` is a pool for one run;
-  ``run_ranks_checked`` returns the values or raises ``RanksFailed`` with every rank's traceback.
+  ``import mtp_overlay`` installs (the caller's ``MTP_OVERLAY_DISABLE``), a list exactly those
+  fixes, ``[]`` none: ranks are born with the overlay off and never import a fix module no run
+  asked for; ``log``: a file for the ranks' own output. ``run_ranks(fn, world_size, **options)`` is
+  a pool for one run (``fresh=True``: never the shared one); ``run_ranks_checked`` returns the
+  values or raises ``RanksFailed`` with every rank's traceback.
 * ``build_tiny_gpt(*, seed, sequence_parallel, scatter_embedding_sequence_parallel, mtp_num_layers,
   hidden_size=64, num_attention_heads=4, num_layers=2, vocab_size=128, max_sequence_length=64,
   **config_overrides)``: GPTModel, local spec, RoPE, identical full weights at any TP/CP.
@@ -114,8 +116,9 @@ Usage (``fn`` must be a module-level function, its arguments and return value pi
   ``uninstall()``; LLaVAModel's construction stand-ins (``llava_construction_stand_ins``) and Bridge's
   Omni specs are scoped.
 * ``releases``: other upstream releases side by side (``release_site``, ``copy_installed``,
-  ``link_installed``, ``run_with_release``, ``record_sha256``); ``remote_code``: a tiny
-  trust_remote_code model and its Ray round trip.
+  ``link_installed``, ``run_with_release``, ``record_sha256``); ``preloaded.run_python``: a fresh
+  interpreter forked with torch imported (``fixes=[...]``: a stock one, exactly those fixes
+  installed); ``remote_code``: a tiny trust_remote_code model and its Ray round trip.
 * pytest, opt-in (``-p mtp_overlay.testing.plugin`` or ``pytest_plugins = [...]`` in a conftest: it
   imports the overlay): ``mtp_run_ranks`` (``run_ranks``), ``mtp_rank_pools`` (one pool per layout for
   the session), and ``@pytest.mark.gpu`` tests skipped without CUDA.

@@ -27,7 +27,7 @@ All carry MTP through the HF key ``num_nextn_predict_layers`` (Bridge maps it to
 ``scatter_embedding_sequence_parallel=False`` is the setting of Bridge's multimodal models, whose
 outer forward scatters the embeddings (Nemotron VL / Omni: ``NemotronVLModelProvider`` declares the
 field, megatron-core's ``LLaVAModel`` builds ``HybridModel(..., scatter_embedding_sequence_parallel=False)``).
-``GPTModelProvider`` has the field and passes it to ``GPTModel``; ``HybridModelProvider`` (0.6.2) has
+``GPTModelProvider`` has the field and passes it to ``GPTModel``; ``HybridModelProvider`` (0.6, pinned) has
 no such field and builds ``HybridModel`` with its default (True), so for ``nemotron_h`` the provider is
 re-declared as ``HybridModelProviderWithScatterOption``,
 a subclass that adds the field the way the VL provider does and passes it to ``HybridModel`` the way
@@ -54,7 +54,7 @@ MOE_KINDS = ("nemotron_h_zoo",)  # MoE: trained through megatron_step.MegatronSt
 BUILDABLE = KINDS + MOE_KINDS
 # MTP depths when not asked for: one, or the zoo pattern's ("*E" at 2 depths, one repeated layer)
 MTP_LAYERS = {"qwen3": 1, "nemotron_h": 1, "nemotron_h_zoo": ZOO_PATTERN.count("/")}
-BRIDGE_MISSING = "megatron-bridge is not installed (scripts/setup.sh installs megatron-bridge 0.6.2 --no-deps)"
+BRIDGE_MISSING = "megatron-bridge is not installed (scripts/setup.sh installs the pinned one, --no-deps)"
 MTP_SCATTER_FIX = "mtp-sp-scatter"
 # a fixed case's MTP loss under CP equals TP1's only with the CP loss scale fixed too
 FIXES = (MTP_SCATTER_FIX, "mtp-cp-loss-scale")

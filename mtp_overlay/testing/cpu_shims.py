@@ -19,7 +19,7 @@ What needs a shim on a CPU machine (megatron-core 0.19.x, local spec):
   ``is_inference_column_parallel_linear`` of its ``eh_proj`` (``transformer/multi_token_prediction.py:1193``),
   whose isinstance against TE-derived classes raises without TE
   (``tensor_parallel/inference_layers.py:564``): the same test over what are classes (none: False).
-  Skipped on releases without that check (0.19.2 and earlier).
+  Skipped on releases without that check (the pinned 0.19 and every earlier one).
 * Context parallelism and packed (THD) sequences: ``DotProductAttention`` asserts that CP needs TE
   (``transformer/dot_product_attention.py`` ``__init__``) and refuses ``packed_seq_params``
   (``forward``), so under CP > 1 or with packed input it runs an exact causal attention
@@ -1009,7 +1009,7 @@ LORA_LAYERS = "megatron.bridge.peft.lora_layers"
 def transformer_engine_import_stand_in(importer=LORA_LAYERS):
     """While the block runs, ``import transformer_engine[.pytorch]`` in module ``importer`` gets a stand-in.
 
-    Megatron-Bridge 0.6.2 ``megatron/bridge/peft/lora_layers.py`` imports ``transformer_engine.pytorch``
+    The pinned Megatron-Bridge (0.6) ``megatron/bridge/peft/lora_layers.py`` imports ``transformer_engine.pytorch``
     unguarded (its line 20), so ``import megatron.bridge`` fails without Transformer Engine. The
     stand-in is scoped by importer, not only by time: ``builtins.__import__`` hands it to that one
     module's import statements and to nobody else, and it never enters ``sys.modules``; so
@@ -1082,7 +1082,7 @@ def _transformer_engine_stand_in():
 def bridge_local_mtp_spec():
     """Inside the block, ``get_gpt_mtp_block_spec`` builds the local (non-TE) MTP block spec.
 
-    Megatron-Bridge 0.6.2 ``GPTModelProvider.provide()`` gets its MTP spec from
+    The pinned Megatron-Bridge (0.6) ``GPTModelProvider.provide()`` gets its MTP spec from
     ``gpt_provider.mtp_block_spec``, which calls ``get_gpt_mtp_block_spec(config, spec,
     use_transformer_engine=True, ...)`` whatever layer spec the provider was given; it imports that
     function when called, so swapping the megatron-core attribute is enough.

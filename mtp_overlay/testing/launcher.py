@@ -9,7 +9,9 @@ every rank: the cost of starting ranks and importing torch and megatron-core is 
 not per case. `run_ranks` is a pool used for one call. On CPU the shims of ``cpu_shims`` are
 installed in the ranks. A rank that crashes or hangs never hangs the caller: each run is bounded by
 ``timeout``; once one rank failed, the others get ``FAILURE_GRACE_S`` before they are killed, and a
-pool whose run failed starts fresh ranks for its next run.
+pool whose run failed starts fresh ranks for its next run. Ranks are born with the overlay switched
+off (`preloaded`): a run installs exactly the fixes it asks for, and a rank never imports the module
+of a fix no run of its pool asked for.
 
 ``fn`` and its arguments must be picklable (a module-level function), as must its return value.
 """
@@ -83,7 +85,9 @@ class RankPool:
         """``fn(*args, **kwargs)`` on every rank; one RankResult per rank, by rank.
 
         fixes: overlay fixes installed in the ranks for this run; None installs what
-        ``import mtp_overlay`` installs, a list of fix names installs exactly those, ``[]`` none.
+        ``import mtp_overlay`` installs under the caller's environment (its ``MTP_OVERLAY_DISABLE``),
+        a list of fix names installs exactly those, ``[]`` none. The fixes of the pool's previous run
+        are uninstalled first (``fresh=True`` in `run_ranks`: ranks no earlier run has touched).
         timeout: seconds for this run (the ranks' start-up included on the first one).
         """
         _check_run(fixes, timeout)
@@ -203,12 +207,7 @@ def _check_run(fixes, timeout):
     if not timeout > 0:
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
     if fixes is not None:
-        if isinstance(fixes, str):
-            raise TypeError(f"fixes must be None or a list of fix names, got the string {fixes!r}")
-        from mtp_overlay import registry
-
-        for name in fixes:
-            registry.lifecycle(name)  # ValueError naming the known fixes
+        preloaded.check_fixes(fixes)
 
 
 def _free_port():
@@ -245,7 +244,9 @@ def _worker(setup, connection):
     """A rank: set up once, then run each job sent until an empty message (or EOF) ends it.
 
     Forked from the preloaded server, which multiprocessing prepares as a spawned process (the
-    caller's sys.path, working folder and ``__main__``): the caller's environment is set here."""
+    caller's sys.path, working folder and ``__main__``) in the server's environment, where the
+    overlay is off: ``mtp_overlay``, imported to unpickle this function, installed nothing. The
+    caller's environment is set here; each run then installs its own fixes."""
     os.environ.clear()
     os.environ.update(setup["environ"])
     if setup["log"] is not None:
@@ -319,8 +320,6 @@ class _RankContext:
         import torch
         from megatron.core import parallel_state, tensor_parallel
 
-        import mtp_overlay
-
         # every run starts from the pool's environment: upstream records state in os.environ (megatron-core
         # its attention backend in NVTE_*, language_module.py:124), which must not leak into the next case
         os.environ.clear()
@@ -331,11 +330,7 @@ class _RankContext:
             parallel_state.destroy_model_parallel()
             _initialize_model_parallel(self.setup)
 
-        mtp_overlay.uninstall()
-        if fixes is None:
-            mtp_overlay.install()
-        elif fixes:
-            mtp_overlay.install(only=fixes)
+        preloaded.install_exactly(fixes, self.setup["environ"].get(preloaded.DISABLE))
         seed = self.setup["seed"]
         random.seed(seed)
         torch.manual_seed(seed)

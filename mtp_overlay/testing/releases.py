@@ -39,14 +39,18 @@ def release_site(distribution, version):
     return target
 
 
-def run_with_release(site, code, env=None, timeout=600, cwd=None):
+def run_with_release(site, code, env=None, timeout=600, cwd=None, fixes=None):
     """Run ``python -c code`` (in ``cwd``) with ``site`` first on the path, forked from the preloaded
-    server (torch already imported); returns the CompletedProcess."""
+    server (torch already imported); returns the CompletedProcess.
+
+    fixes: None, what ``import mtp_overlay`` installs there; a list, a stock interpreter with exactly
+    those fixes installed (``[]``: none); see `preloaded.run_python`.
+    """
     from .preloaded import run_python
 
     environment = dict(os.environ if env is None else env)
     environment["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), environment.get("PYTHONPATH")]))
-    return run_python(code, environment, timeout, cwd=cwd)
+    return run_python(code, environment, timeout, cwd=cwd, fixes=fixes)
 
 
 def installed_site(distribution):
@@ -65,12 +69,12 @@ def release_copy(distribution, version, destination):
     return copy_installed(distribution, destination, site=site)
 
 
-def run_json(site, code, env=None, timeout=600):
+def run_json(site, code, env=None, timeout=600, fixes=None):
     """`run_with_release` of ``code``, which prints a JSON line last: that line, parsed (AssertionError
     with the child's stderr when it fails)."""
     import json
 
-    result = run_with_release(site, code, env=env, timeout=timeout)
+    result = run_with_release(site, code, env=env, timeout=timeout, fixes=fixes)
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
 

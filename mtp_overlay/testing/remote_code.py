@@ -76,7 +76,7 @@ def ray_round_trip(overlay=True, timeout=300):
         env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "MTP_OVERLAY_", "RAY_"))}
         env.update(HF_MODULES_CACHE=str(tmp / "modules"), RAY_AUTH_MODE="disabled")
         if not overlay:
-            env["MTP_OVERLAY_DISABLE"] = "hf-modules-cache"
+            env["MTP_OVERLAY_DISABLE"] = "all"  # stock from the driver's start: no fix installed
         proc = subprocess.Popen([sys.executable, "-c", ROUND_TRIP, str(model), str(tmp / "ray")],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd, env=env,
                                 start_new_session=True)

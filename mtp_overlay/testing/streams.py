@@ -50,7 +50,7 @@ def host_streams(module=None):
         (torch, "Event", HostEvent),
         (torch.Tensor, "record_stream", lambda tensor, s: None),
     ]
-    if hasattr(module, "_get_streams"):  # vLLM 0.33.0 caches them
+    if hasattr(module, "_get_streams"):  # the pinned vLLM (0.33) caches them
         replacements.append((module, "_get_streams", lambda index, count: (stream,) * count))
     with contextlib.ExitStack() as stack:
         for owner, attribute, value in replacements:

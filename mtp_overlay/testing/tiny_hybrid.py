@@ -1,6 +1,6 @@
 """A tiny stock-megatron-core HybridModel with MTP, built from local (non-TE) modules.
 
-megatron-core 0.19.2 deprecates GPTModel for HybridModel (Nemotron-H/Super are HybridModels), but
+megatron-core 0.19 deprecates GPTModel for HybridModel (Nemotron-H/Super are HybridModels), but
 its only shipped hybrid spec (``models/hybrid/hybrid_layer_specs.py``) is made of Transformer Engine
 modules, which do not install on a CPU machine. The spec here is assembled from the pieces of
 ``get_gpt_layer_local_spec()``: attention ('*') is a TransformerLayer holding the input norm and

@@ -14,7 +14,7 @@ The stand-ins, both for what needs a GPU:
   type is empty, and vLLM's parser computes its defaults by building ``DeviceConfig("auto")``, which
   refuses that; the platform names "cpu" while the parser is built, nothing else.
 
-Works on vLLM 0.33.0 and 0.25.1 (where the server state lives in ``entrypoints/openai/api_server.py``).
+Works on the pinned vLLM (0.33) and 0.25.1 (where the server state lives in ``entrypoints/openai/api_server.py``).
 """
 
 import asyncio
@@ -231,7 +231,7 @@ def parser_device_type(device_type="cpu"):
 
 
 def _first(*candidates):
-    """The first ``(module, attribute)`` that exists: vLLM 0.33.0's location, then 0.25.1's."""
+    """The first ``(module, attribute)`` that exists: the pinned vLLM's (0.33) location, then 0.25.1's."""
     for module, attribute in candidates:
         try:
             return getattr(importlib.import_module(module), attribute)

@@ -1,6 +1,6 @@
 """Properties of the MTP mask library: packing, CP sharding, mask build, bad input.
 
-The CP layout is compared with megatron-core's own ``get_batch_on_this_cp_rank`` (0.19.2), run on
+The CP layout is compared with the pinned megatron-core's own ``get_batch_on_this_cp_rank``, run on
 torch's in-process "fake" process group so any (cp_size, cp_rank) can be asked for without
 spawning ranks.
 """

@@ -1,4 +1,4 @@
-"""Fixtures of the patching tests: a private copy of megatron-core 0.19.2, and test-only fixes with
+"""Fixtures of the patching tests: a private copy of the pinned megatron-core, and test-only fixes with
 measured test-only patches (several files, several fixes) registered for the duration of a test."""
 
 import difflib
@@ -6,6 +6,7 @@ import json
 
 import pytest
 from test_patching import site_copy
+from pins import MEGATRON_CORE
 
 from mtp_overlay import declarations, table
 from mtp_overlay.contract import Declaration, Provenance
@@ -40,9 +41,9 @@ def test_fixes(site_0_19, tmp_path, monkeypatch):
             monkeypatch.setattr(table, "FIXES", table.FIXES + ((name, fix.modules),))
             monkeypatch.setitem(declarations._loaded, name, fix)
             fixes.append(fix)
-        patches = patches_for(fixes, "megatron-core", "0.19.2", folder)
+        patches = patches_for(fixes, "megatron-core", MEGATRON_CORE, folder)
         released = {file: (site_0_19 / file).read_bytes() for files in files_of.values() for file in files}
-        images = {"megatron-core": {"0.19.2": measure(patches, released)}}
+        images = {"megatron-core": {MEGATRON_CORE: measure(patches, released)}}
         (folder / "manifest.json").write_text(json.dumps({"format": 2, **images}))
         return folder / "manifest.json", fixes
 
@@ -51,6 +52,6 @@ def test_fixes(site_0_19, tmp_path, monkeypatch):
 
 @pytest.fixture
 def site_0_19(tmp_path):
-    return site_copy("0.19.2", tmp_path)
+    return site_copy(MEGATRON_CORE, tmp_path)
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from test_patching import MODULE, SECOND, leftovers, measured, only, patch, sha, site_copy, tree
+from pins import MEGATRON_CORE
 
 from mtp_overlay.patching import transaction
 
@@ -21,8 +22,8 @@ CLI = [sys.executable, "-m", "mtp_overlay.cli"]
 def test_parallel_applies_on_one_site_serialize_and_every_process_reports_the_truth(tmp_path):
     """Four builds apply at once, three rounds: the file ends patched, exactly one process patched it,
     the others say it was already applied, none exits 0 over a file left at its pre-image."""
-    site = site_copy("0.19.2", tmp_path)
-    _, (pre, post) = measured("0.19.2")
+    site = site_copy(MEGATRON_CORE, tmp_path)
+    _, (pre, post) = measured(MEGATRON_CORE)
     command = CLI + ["patch", "apply", "--site-packages", str(site), "--only", "mtp-sp-scatter", "--json"]
     for _ in range(3):
         runs = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(4)]
@@ -121,7 +122,7 @@ def test_a_symlinked_module_stays_a_symlink_and_gets_its_bytes_back(site_0_19, t
     real.write_bytes(link.read_bytes())
     link.unlink()
     link.symlink_to(real)
-    _, (pre, post) = measured("0.19.2")
+    _, (pre, post) = measured(MEGATRON_CORE)
     assert patch(capsys, "apply", "--site-packages", str(site_0_19))[0] == 0
     assert link.is_symlink() and sha(real) == post
     assert patch(capsys, "revert", "--site-packages", str(site_0_19))[0] == 0

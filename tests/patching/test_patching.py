@@ -1,6 +1,6 @@
 """`mtp-overlay patch apply|check|revert` on real megatron-core installs.
 
-Every case works on a private copy of a real release (the venv's 0.19.2, or 0.16.1 / 0.18.2 unpacked
+Every case works on a private copy of a real release (the venv's pinned release, or 0.16.1 / 0.18.2 unpacked
 from their wheels): the `megatron` package and its dist-info in a temporary site folder. Trees are
 compared by the sha256 of every file.
 """
@@ -16,6 +16,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from pins import MEGATRON_CORE
 
 from mtp_overlay import registry
 from mtp_overlay.cli import main
@@ -32,7 +33,7 @@ WHEELS = REPO / ".cache" / "wheels"
 SITES = REPO / ".cache" / "sites"
 MODULE = "megatron/core/transformer/multi_token_prediction.py"
 SECOND = "megatron/core/utils.py"  # the second file of the two-file test variant
-VARIANT_OF = {"0.16.1": "0.16.patch", "0.18.2": "0.18.patch", "0.19.2": "0.19.patch"}
+VARIANT_OF = {"0.16.1": "0.16.patch", "0.18.2": "0.18.patch", MEGATRON_CORE: "0.19.patch"}
 UPSTREAM_STYLE_FIX = (
     "        decoder_input = embedding(input_ids=input_ids, position_ids=position_ids)\n",
     (
@@ -72,7 +73,7 @@ def unpacked(version):
 
 def site_copy(version, tmp_path):
     destination = tmp_path / f"site-{version}"
-    if version == "0.19.2":  # the venv's own install
+    if version == MEGATRON_CORE:  # the venv's own install
         return copy_installed("megatron-core", destination)
     return copy_installed("megatron-core", destination, site=unpacked(version))
 
@@ -149,11 +150,11 @@ def test_every_release_family_has_its_patch():
     ("edit", "message"),
     [
         (lambda raw: raw.update(format=1), "format must be 2"),
-        (lambda raw: raw["megatron-core"]["0.19.2"][MODULE].update(released="f00"), "must be a sha256"),
-        (lambda raw: raw["megatron-core"]["0.19.2"][MODULE].pop("released"), "has no 'released' sha256"),
+        (lambda raw: raw["megatron-core"][MEGATRON_CORE][MODULE].update(released="f00"), "must be a sha256"),
+        (lambda raw: raw["megatron-core"][MEGATRON_CORE][MODULE].pop("released"), "has no 'released' sha256"),
         (lambda raw: raw["megatron-core"].update({"0.19": {}}), "non-empty object"),
-        (lambda raw: raw["megatron-core"].update({"zero": raw["megatron-core"]["0.19.2"]}), "is not a version"),
-        (lambda raw: raw["megatron-core"]["0.19.2"][MODULE].update({"b+a": "0" * 64}), "sorted, joined by '+'"),
+        (lambda raw: raw["megatron-core"].update({"zero": raw["megatron-core"][MEGATRON_CORE]}), "is not a version"),
+        (lambda raw: raw["megatron-core"][MEGATRON_CORE][MODULE].update({"b+a": "0" * 64}), "sorted, joined by '+'"),
     ],
 )
 def test_malformed_manifest_is_a_usage_error_naming_the_key(edit, message, tmp_path, capsys):
@@ -168,7 +169,7 @@ def test_malformed_manifest_is_a_usage_error_naming_the_key(edit, message, tmp_p
 
 
 def test_missing_patch_of_a_declared_family_is_a_usage_error(tmp_path, capsys):
-    site = site_copy("0.19.2", tmp_path)
+    site = site_copy(MEGATRON_CORE, tmp_path)
     folder = tmp_path / "patches"
     shutil.copytree(DEFAULT_PATH.parent, folder)
     (folder / "mtp-sp-scatter" / "megatron-core" / "0.19.patch").unlink()
@@ -177,7 +178,7 @@ def test_missing_patch_of_a_declared_family_is_a_usage_error(tmp_path, capsys):
 
 
 # --- apply / check / revert on real releases -----------------------------------------------------
-@pytest.mark.parametrize("version", ["0.19.2", "0.16.1", "0.18.2"])
+@pytest.mark.parametrize("version", [MEGATRON_CORE, "0.16.1", "0.18.2"])
 def test_apply_check_revert_round_trip_is_byte_identical(version, tmp_path, capsys):
     site = site_copy(version, tmp_path)
     before = tree(site)
@@ -222,7 +223,7 @@ def test_variant_is_chosen_by_version_not_by_what_applies(tmp_path, capsys):
 
 
 def test_dry_run_writes_nothing(tmp_path, capsys):
-    site = site_copy("0.19.2", tmp_path)
+    site = site_copy(MEGATRON_CORE, tmp_path)
     before = tree(site)
     code, [row] = patch(capsys, "apply", "--site-packages", str(site), "--dry-run")
     assert code == 0 and (row["action"], row["state"]) == ("would patch", "needed")
@@ -230,7 +231,7 @@ def test_dry_run_writes_nothing(tmp_path, capsys):
 
 
 def test_apply_removes_stale_bytecode_of_touched_files_only(tmp_path, capsys):
-    site = site_copy("0.19.2", tmp_path)
+    site = site_copy(MEGATRON_CORE, tmp_path)
     touched, other = site / MODULE, site / SECOND
     # an unchecked-hash pyc is never revalidated against its source: left behind, it would run the old code
     stale = py_compile.compile(str(touched), invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH)
@@ -240,7 +241,7 @@ def test_apply_removes_stale_bytecode_of_touched_files_only(tmp_path, capsys):
     assert not Path(stale).exists() and Path(kept).exists()
 
 
-@pytest.mark.parametrize("version", ["0.19.2", "0.16.1", "0.18.2"])
+@pytest.mark.parametrize("version", [MEGATRON_CORE, "0.16.1", "0.18.2"])
 def test_tampered_pre_image_is_refused_naming_file_and_hashes(version, tmp_path, capsys):
     site = site_copy(version, tmp_path)
     with open(site / MODULE, "a") as handle:
@@ -265,7 +266,7 @@ def test_tampered_pre_image_is_refused_naming_file_and_hashes(version, tmp_path,
 
 def test_patched_file_edited_afterwards_counts_as_applied_but_is_not_reverted_blindly(tmp_path, capsys):
     """Already applied = the reverse patch applies; reverting needs the manifest's post-image exactly."""
-    site = site_copy("0.19.2", tmp_path)
+    site = site_copy(MEGATRON_CORE, tmp_path)
     assert patch(capsys, "apply", "--site-packages", str(site))[0] == 0
     with open(site / MODULE, "a") as handle:
         handle.write("# a local edit after patching\n")
@@ -282,7 +283,7 @@ def test_patched_file_edited_afterwards_counts_as_applied_but_is_not_reverted_bl
 def set_version(site, version):
     metadata = next(Path(site).glob("megatron_core-*.dist-info")) / "METADATA"
     text = metadata.read_text()
-    metadata.write_text(text.replace("\nVersion: 0.19.2\n", f"\nVersion: {version}\n", 1))
+    metadata.write_text(text.replace(f"\nVersion: {MEGATRON_CORE}\n", f"\nVersion: {version}\n", 1))
 
 
 def carry_upstream_fix(site):
@@ -294,7 +295,7 @@ def carry_upstream_fix(site):
 
 
 def test_release_past_every_variant_with_the_behaviour_is_redundant_and_skipped(tmp_path, capsys):
-    site = site_copy("0.19.2", tmp_path)
+    site = site_copy(MEGATRON_CORE, tmp_path)
     set_version(site, "0.20.0")
     carry_upstream_fix(site)
     before = tree(site)
@@ -308,7 +309,7 @@ def test_release_past_every_variant_with_the_behaviour_is_redundant_and_skipped(
 
 
 def test_release_past_every_variant_without_the_behaviour_is_refused(tmp_path, capsys):
-    site = site_copy("0.19.2", tmp_path)
+    site = site_copy(MEGATRON_CORE, tmp_path)
     set_version(site, "0.20.0")
     before = tree(site)
     code, [row] = patch(capsys, "apply", "--site-packages", str(site))
@@ -319,7 +320,7 @@ def test_release_past_every_variant_without_the_behaviour_is_refused(tmp_path, c
 def test_unmeasured_release_in_range_that_already_scatters_is_redundant(tmp_path, capsys):
     """A later 0.19.x (no hashes measured) carrying the upstream fix: its marker says redundant. In a
     measured release the same bytes are a local edit (tests/reliability)."""
-    site = site_copy("0.19.2", tmp_path)
+    site = site_copy(MEGATRON_CORE, tmp_path)
     set_version(site, "0.19.9")
     carry_upstream_fix(site)
     before = tree(site)
@@ -433,7 +434,7 @@ def test_fixes_sharing_a_file_apply_and_revert_in_any_order(site_0_19, test_fixe
 
 # --- finding the environment --------------------------------------------------------------------
 def test_python_option_patches_that_interpreters_site_packages(tmp_path, capsys):
-    site = site_copy("0.19.2", tmp_path)
+    site = site_copy(MEGATRON_CORE, tmp_path)
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     purelib = subprocess.run(
@@ -444,7 +445,7 @@ def test_python_option_patches_that_interpreters_site_packages(tmp_path, capsys)
     shutil.copytree(site, purelib)
     code, [row] = patch(capsys, "apply", "--python", str(venv / "bin" / "python"))
     assert code == 0 and row["action"] == "patched" and Path(row["site_packages"]) == Path(purelib).resolve()
-    assert sha(Path(purelib) / MODULE) == measured("0.19.2")[1][1]
+    assert sha(Path(purelib) / MODULE) == measured(MEGATRON_CORE)[1][1]
 
 
 def test_bad_arguments_are_usage_errors(tmp_path, capsys):
@@ -486,7 +487,7 @@ def imported(site, **env):
 
 
 def test_patched_release_imports_and_the_runtime_hook_stands_down(tmp_path, capsys):
-    site = site_copy("0.19.2", tmp_path)
+    site = site_copy(MEGATRON_CORE, tmp_path)
     stock = imported(site)
     assert stock["file"].startswith(str(site)) and stock["state"] == "installed" and stock["wrapped"]
     assert stock["patched"] is False
@@ -521,8 +522,8 @@ if __name__ == "__main__":
 
 @pytest.mark.slow
 def test_patched_release_runs_tp2_sp_forward_with_the_hook_off(tmp_path, capsys):
-    """Stock 0.19.2 with scatter_embedding_sequence_parallel=False fails at TP2+SP; patched on disk it runs."""
-    site = site_copy("0.19.2", tmp_path)
+    """Stock megatron-core (the pin) with scatter_embedding_sequence_parallel=False fails at TP2+SP; patched on disk it runs."""
+    site = site_copy(MEGATRON_CORE, tmp_path)
     script = tmp_path / "tp2_sp_forward.py"
     script.write_text(TP2_SP_FORWARD)
 
@@ -554,10 +555,10 @@ def test_container_build_script_patches_and_fails_the_build_on_a_mismatch(tmp_pa
     python = venv / "bin" / "python"
     ask = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
     purelib = Path(subprocess.run([python, "-c", ask], capture_output=True, text=True, check=True).stdout.strip())
-    subprocess.run([python, "-m", "pip", "install", "-q", "--no-deps", str(wheel("0.19.2"))], check=True)
+    subprocess.run([python, "-m", "pip", "install", "-q", "--no-deps", str(wheel(MEGATRON_CORE))], check=True)
     # the rest of the pinned stack is this venv's, seen through a .pth: the script's pip finds it satisfied
     (purelib / "pinned-stack.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-    _, (pre, _) = measured("0.19.2")
+    _, (pre, _) = measured(MEGATRON_CORE)
 
     # pip builds mtp-overlay in its source tree: build from a copy, as a Dockerfile's COPY would
     source = tmp_path / "src"
@@ -572,10 +573,10 @@ def test_container_build_script_patches_and_fails_the_build_on_a_mismatch(tmp_pa
 
     first = build()
     assert first.returncode == 0, first.stdout + first.stderr
-    every = frozenset(name for name in registry.names() if registry.get(name).family_of("0.19.2")
+    every = frozenset(name for name in registry.names() if registry.get(name).family_of(MEGATRON_CORE)
                       and registry.get(name).distribution == "megatron-core")
     assert every >= {"mtp-sp-scatter", "mtp-packed-roll", "mtp-cp-loss-scale"}  # all of them share this file
-    assert sha(purelib / MODULE) == load().images["megatron-core"]["0.19.2"][MODULE][every]
+    assert sha(purelib / MODULE) == load().images["megatron-core"][MEGATRON_CORE][MODULE][every]
     assert "patched -> applied" in first.stdout
     # the installed package carries the startup hook's .pth as package data
     hook = subprocess.run([python, "-m", "mtp_overlay.cli", "startup-hook", "install"], capture_output=True, text=True)
@@ -583,7 +584,7 @@ def test_container_build_script_patches_and_fails_the_build_on_a_mismatch(tmp_pa
         REPO / "hooks" / "mtp_overlay_startup.pth"
     ).read_text()
 
-    with zipfile.ZipFile(wheel("0.19.2")) as archive:
+    with zipfile.ZipFile(wheel(MEGATRON_CORE)) as archive:
         (purelib / MODULE).write_bytes(archive.read(MODULE) + b"# a local edit\n")
     broken = build()
     assert broken.returncode == 1 and f"{purelib.resolve() / MODULE}: expected sha256 {pre}" in broken.stdout

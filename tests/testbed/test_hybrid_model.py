@@ -1,6 +1,6 @@
 """A stock megatron-core HybridModel with MTP on CPU, built from local (non-TE) modules.
 
-megatron-core 0.19.2 deprecates GPTModel in favour of HybridModel (Nemotron-H/Super are HybridModels).
+megatron-core 0.19 deprecates GPTModel in favour of HybridModel (Nemotron-H/Super are HybridModels).
 The pattern "*-*-/*-" (attention, MLP, attention, MLP; one MTP depth of attention + MLP) holds the
 parameters of the 2-layer tiny GPT in the same order, so from one seed both models must train
 identically in every layout. HybridStack's hard-coded TENorm final norm runs as WrappedTorchNorm

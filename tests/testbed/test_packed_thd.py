@@ -141,7 +141,7 @@ def test_reference_trains_the_expected_mtp_targets(tp1):
 
 
 def roll_within(values, boundaries):
-    """megatron-core 0.19.2's packed roll at CP1 (``_roll_tensor_packed_seq``): each segment of
+    """megatron-core 0.19's packed roll at CP1 (``_roll_tensor_packed_seq``): each segment of
     ``boundaries`` shifted left by one with its last slot zeroed; slots past the last boundary kept."""
     rolled = values.copy()
     for start, end in zip(boundaries[:-1], boundaries[1:]):

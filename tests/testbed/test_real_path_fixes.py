@@ -1,6 +1,6 @@
 """The overlay's megatron-core fixes on the path users run: HybridModel, packed THD, context parallelism.
 
-Each fix is off and on in the same rank pool (stock megatron-core 0.19.2 otherwise), on the same model.
+Each fix is off and on in the same rank pool (stock megatron-core, the pinned release, otherwise), on the same model.
 mtp-sp-scatter: a HybridModel built with ``scatter_embedding_sequence_parallel=False`` (Megatron-Bridge's
 Nemotron Omni/VL providers build it so) never scatters the MTP embedding (Megatron-LM PR #6256).
 mtp-loss-mask: an RL forward (labels=None) trains the MTP head on every token unless the mask reaches

@@ -177,6 +177,96 @@ def test_fixes_selects_what_the_workers_install():
     assert states and all(state == "disabled" for state in states.values()), states
 
 
+# the upstream modules the megatron-core fixes hook (stock megatron-core's names): importing them runs
+# the post-import hook of every megatron-core fix installed, and of none that is not
+MEGATRON_TARGETS = (
+    "megatron.core.transformer.multi_token_prediction",
+    "megatron.core.models.gpt.gpt_model",
+    "megatron.core.models.hybrid.hybrid_model",
+)
+MEGATRON_FIXES = ("mtp-sp-scatter", "mtp-packed-roll", "mtp-loss-mask", "mtp-cp-loss-scale")
+
+
+def fix_modules_after_targets():
+    """Worker: import every megatron-core fix's target; the fix modules this process has imported, and
+    the overlay switch its environment holds."""
+    import importlib
+
+    for target in MEGATRON_TARGETS:
+        importlib.import_module(target)
+    fixes = sorted(name for name in sys.modules if name.startswith("mtp_overlay.fixes."))
+    return fixes, os.environ.get("MTP_OVERLAY_DISABLE")
+
+
+def fix_modules(*fix_ids):
+    return sorted("mtp_overlay.fixes." + fix_id.replace("-", "_") for fix_id in fix_ids)
+
+
+def test_a_rank_imports_the_fixes_its_run_asks_for_and_no_other(monkeypatch):
+    """Ranks are born with the overlay off: a ``fixes=[]`` rank never imports a fix module, though every
+    target is imported; ``["mtp-sp-scatter"]`` imports that one alone (the caller's MTP_OVERLAY_DISABLE,
+    which names it, does not apply to a list); None installs what the caller's switch leaves on, which
+    loads every other megatron-core fix here (the worker does see them load). The run itself sees the
+    caller's switch."""
+    monkeypatch.setenv("MTP_OVERLAY_DISABLE", "mtp-sp-scatter")
+    stock = run_ranks_checked(fix_modules_after_targets, 1, fixes=[], fresh=True)[0]
+    assert stock == ([], "mtp-sp-scatter")
+    one = run_ranks_checked(fix_modules_after_targets, 1, fixes=["mtp-sp-scatter"], fresh=True)[0]
+    assert one == (fix_modules("mtp-sp-scatter"), "mtp-sp-scatter")
+    default, switch = run_ranks_checked(fix_modules_after_targets, 1, fresh=True)[0]
+    assert switch == "mtp-sp-scatter"
+    assert set(fix_modules(*MEGATRON_FIXES[1:])) <= set(default)
+    assert not set(fix_modules("mtp-sp-scatter")) & set(default)
+
+
+STOCK_CHECK = """
+import importlib, json, os, sys
+for target in %r:
+    importlib.import_module(target)
+import mtp_overlay
+print(json.dumps({"fixes": sorted(name for name in sys.modules if name.startswith("mtp_overlay.fixes.")),
+                  "installed": [row.name for row in mtp_overlay.status() if row.state == "installed"],
+                  "switch": os.environ.get("MTP_OVERLAY_DISABLE")}))
+""" % (MEGATRON_TARGETS,)
+
+
+@pytest.mark.parametrize("interpreter", ["forked", "subprocess"])
+def test_a_fresh_interpreter_installs_exactly_the_fixes_asked_for(interpreter):
+    """run_python(fixes=...): ``[]`` a stock interpreter (every target imported, no fix module), a list
+    exactly those, None what ``import mtp_overlay`` installs there (the environment's choice), as
+    ``python -c`` does; the code sees the caller's environment. A variable only interpreter start-up
+    reads (PYTHONWARNINGS) makes it a real subprocess, born stock the same way."""
+    import json
+
+    from mtp_overlay.testing.preloaded import run_python
+
+    env = {**os.environ, "MTP_OVERLAY_DISABLE": "mtp-loss-mask"}
+    asked = [[], ["mtp-sp-scatter"], None]
+    if interpreter == "subprocess":  # (None there is subprocess.run itself)
+        env["PYTHONWARNINGS"], asked = "ignore", asked[:2]
+    found = {}
+    for fixes in asked:
+        result = run_python(STOCK_CHECK, env, timeout=300, fixes=fixes)
+        assert result.returncode == 0, result.stderr[-3000:]
+        found[repr(fixes)] = json.loads(result.stdout.splitlines()[-1])
+    assert {row["switch"] for row in found.values()} == {"mtp-loss-mask"}
+    # "fixes": imported by the targets' import; "installed": after status(), which imports every fix module
+    assert found["[]"]["fixes"] == [] and found["[]"]["installed"] == []
+    assert found["['mtp-sp-scatter']"]["fixes"] == fix_modules("mtp-sp-scatter")
+    assert found["['mtp-sp-scatter']"]["installed"] == ["mtp-sp-scatter"]
+    if interpreter == "forked":
+        assert found["None"]["installed"] == ["mtp-sp-scatter", "mtp-packed-roll", "mtp-cp-loss-scale"]
+
+
+def test_fixes_must_be_a_list_of_known_fix_ids():
+    from mtp_overlay.testing.preloaded import run_python
+
+    with pytest.raises(TypeError, match="got the string 'mtp-sp-scatter'"):
+        run_python("pass", dict(os.environ), timeout=60, fixes="mtp-sp-scatter")
+    with pytest.raises(ValueError, match="unknown fix 'no-such-fix'"):
+        run_python("pass", dict(os.environ), timeout=60, fixes=["no-such-fix"])
+
+
 @pytest.mark.parametrize(
     ("options", "message"),
     [

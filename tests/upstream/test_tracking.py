@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from packaging.version import Version
+from pins import MEGATRON_CORE
 
 from mtp_overlay import registry
 from mtp_overlay.testing.releases import copy_installed, megatron_main_site, run_with_release, snapshot_of
@@ -72,7 +73,7 @@ def tracking_tests(site, cwd, fix):
 def test_tracking_test_names_the_absorbed_fix_and_what_to_do(fixed_upstream, tmp_path):
     result = tracking_tests(fixed_upstream, tmp_path, "mtp-sp-scatter")
     assert result.returncode == 1, result.stdout[-3000:]
-    assert "mtp-sp-scatter is REDUNDANT on megatron-core 0.19.2" in result.stdout
+    assert f"mtp-sp-scatter is REDUNDANT on megatron-core {MEGATRON_CORE}" in result.stdout
     assert "Applied-Upstream" in result.stdout and "first_fixed_release" in result.stdout
 
 
@@ -90,7 +91,7 @@ def test_tracking_test_says_when_the_test_bed_cannot_run_the_stock_path(tmp_path
     result = tracking_tests(site, tmp_path, "mtp-sp-scatter")
     assert result.returncode == 1, result.stdout[-3000:]
     expected = (
-        "mtp-sp-scatter: could not run the stock path on megatron-core 0.19.2: TypeError: isinstance() arg 2 must "
+        f"mtp-sp-scatter: could not run the stock path on megatron-core {MEGATRON_CORE}: TypeError: isinstance() arg 2 must "
         "be a type, a tuple of types, or a union when instantiating MultiTokenPredictionLayer "
         f"(at megatron/core/transformer/multi_token_prediction.py:{line}); the test bed needs updating"
     )
@@ -152,7 +153,7 @@ def support_matrix(monkeypatch, tmp_path):
     support = tmp_path / "SUPPORT.md"
     support.write_text((ROOT / "docs" / "SUPPORT.md").read_text())
     monkeypatch.setattr(script, "SUPPORT", support)
-    monkeypatch.setattr(script, "RELEASES", {"megatron-core": ["0.19.2"]})
+    monkeypatch.setattr(script, "RELEASES", {"megatron-core": [MEGATRON_CORE]})
     monkeypatch.setattr(script, "fixes_by_distribution", lambda: {"megatron-core": ["mtp-sp-scatter", "mtp-loss-mask"]})
     monkeypatch.setattr(script, "release_site", lambda distribution, version: f"site-{version}")
     return script
@@ -169,14 +170,14 @@ def test_support_matrix_adds_main_rows_from_a_snapshot_and_keeps_them_without_on
     git_dir, _ = make_megatron_lm(tmp_path / "Megatron-LM")
     site = megatron_main_site(git_dir, tmp_path / "snapshots")
     facts = snapshot_of(site)
-    monkeypatch.setattr(support_matrix, "measure", measured(lambda s: facts["version"] if s == site else "0.19.2"))
+    monkeypatch.setattr(support_matrix, "measure", measured(lambda s: facts["version"] if s == site else MEGATRON_CORE))
     support_matrix.main(["--megatron-main", str(site)])
     label = f"Megatron-LM main @ {facts['short']} ({facts['date']})"
     rows = [line for line in support_matrix.SUPPORT.read_text().splitlines() if line.startswith("| mtp-")]
-    assert [line.split(" | ")[2] for line in rows] == ["0.19.2", label, "0.19.2", label]
+    assert [line.split(" | ")[2] for line in rows] == [MEGATRON_CORE, label, MEGATRON_CORE, label]
     assert all(MAIN_ROW.match(line) for line in rows[1::2]) and not any(ROW.match(line) for line in rows[1::2])
 
-    monkeypatch.setattr(support_matrix, "measure", measured(lambda s: "0.19.2"))
+    monkeypatch.setattr(support_matrix, "measure", measured(lambda s: MEGATRON_CORE))
     support_matrix.main([])  # no snapshot: the main rows stay, each after its fix's releases
     assert [line for line in support_matrix.SUPPORT.read_text().splitlines() if line.startswith("| mtp-")] == rows
 

@@ -1,8 +1,8 @@
 """vllm-mtp-drafter-load with the fix off: vLLM's NemotronHMTP takes a refit in positional naming and says nothing.
 
 Builds the installed vLLM's real drafter on CPU (`mtp_overlay.testing.vllm_drafter`) in a fresh
-interpreter (vLLM's process-group state stays out of the caller), feeds its stock ``load_weights``
-(the hook bypassed) the MTP head named ``model.layers.<num_hidden_layers>.*``, and checks what it did.
+stock interpreter (no fix installed; vLLM's process-group state stays out of the caller), feeds its
+``load_weights`` the MTP head named ``model.layers.<num_hidden_layers>.*``, and checks what it did.
 """
 
 import json
@@ -15,7 +15,7 @@ def reproduce():
     """(bug shows, evidence): the stock drafter returned normally, loaded no MTP parameter, kept its values."""
     from ..preloaded import run_python
 
-    result = run_python(_SCRIPT, dict(os.environ), timeout=900)
+    result = run_python(_SCRIPT, dict(os.environ), timeout=900, fixes=[])
     if result.returncode != 0:
         raise RuntimeError(f"the reproducer's interpreter failed:\n{result.stderr[-3000:]}")
     found = json.loads(result.stdout.strip().splitlines()[-1])
@@ -30,7 +30,6 @@ def reproduce():
 
 
 def _run():
-    import inspect
     import warnings
 
     warnings.simplefilter("ignore")
@@ -40,12 +39,11 @@ def _run():
 
     with drafter_environment():
         model = build_drafter("nemotron_h")
-        stock = inspect.unwrap(vars(type(model))["load_weights"])
         parameters = [name for name, _ in model.named_parameters() if name.startswith("model.layers.")]
         stream = refit_stream(model, "positional", seed=1, with_target_names=False)
         before = snapshot(model)
         try:
-            loaded, error = stock(model, iter(stream)), None
+            loaded, error = model.load_weights(iter(stream)), None
         except Exception as exc:  # a loud failure is not the silent skip this reproduces
             loaded, error = set(), f"{type(exc).__name__}: {exc}"
         found = {"version": vllm.__version__, "sent": len(stream), "parameters": len(parameters),

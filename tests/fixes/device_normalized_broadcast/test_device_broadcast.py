@@ -1,4 +1,4 @@
-"""device-normalized-broadcast on the installed vLLM 0.33.0 weight-transfer producer.
+"""device-normalized-broadcast on the installed (pinned) vLLM's weight-transfer producer.
 
 Every proof runs vLLM's own ``pack_tensors``, ``packed_nccl_broadcast_producer`` / consumer and
 ``NCCLTrainerWeightTransferEngine._broadcast``. On this CPU machine the communicator's device is
@@ -16,6 +16,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from pins import VLLM
 
 import mtp_overlay
 from mtp_overlay.contract import State
@@ -393,7 +394,7 @@ def test_probe_finds_stock_vllm_needs_the_fix():
         verdict = FIX.probe(module)
         assert verdict.state == "needed" and "refuses a host+meta stream" in verdict.reason
     row = mtp_overlay.status(only=[NAME])[0]
-    assert (row.state, row.distribution, row.version) == ("installed", "vllm", "0.33.0")
+    assert (row.state, row.distribution, row.version) == ("installed", "vllm", VLLM)
     shows, evidence = reproduce(NAME)
     assert shows and "is not on the expected device" in evidence
 

@@ -1,4 +1,4 @@
-"""mtp-cp-loss-scale on real megatron-core 0.19.2, in Megatron's own training step.
+"""mtp-cp-loss-scale on real megatron-core (the pinned release), in Megatron's own training step.
 
 Every case runs the same step twice on the same weights and batch: stock (fix off) and fixed (fix
 on), at CP=1, CP=2 and TP2xCP2+SP (mtp_overlay.testing.reproducers.mtp_cp_loss_scale.measure:

@@ -1,6 +1,6 @@
 """mtp-cp-loss-scale's probe and source patch on real megatron-core releases.
 
-Each probe case imports a real megatron-core (the venv's 0.19.2, a side-by-side release, or a copy
+Each probe case imports a real megatron-core (the venv's pinned release, a side-by-side release, or a copy
 that the test patched or broke) in a fresh interpreter with the overlay on: needed on stock
 (hooked), redundant where process_mtp_loss reduces the counts itself (the DEP-3 patch, which
 carries Megatron-LM PR #7498's logic), drifted on a shape the hook does not know.
@@ -13,6 +13,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from pins import MEGATRON_CORE
 
 from mtp_overlay.patching import engine
 from mtp_overlay.testing.releases import release_copy, run_json, run_with_release
@@ -64,7 +65,7 @@ def edit_source(site, old, new):
     path.write_text(source.replace(old, new))
 
 
-@pytest.mark.parametrize("version", ["0.19.0", "0.19.2"])  # 0.19.1's file is 0.19.0's
+@pytest.mark.parametrize("version", ["0.19.0", MEGATRON_CORE])  # 0.19.1's file is 0.19.0's
 def test_stock_0_19_needs_the_fix_and_gets_every_hook(version, tmp_path):
     row = report(site_of(version, tmp_path))
     assert row["version"] == version
@@ -79,7 +80,7 @@ def test_0_18_is_drift_naming_the_signature(tmp_path):
 
 
 def test_patched_release_is_redundant_and_left_unwrapped(tmp_path):
-    site = site_of("0.19.2", tmp_path)
+    site = site_of(MEGATRON_CORE, tmp_path)
     subprocess.run(["git", "apply", "-p1", str(PATCH)], cwd=site, check=True)
     row = report(site)
     assert row["state"] == "redundant" and "already calls all_reduce" in row["reason"]
@@ -97,7 +98,7 @@ def test_patched_release_is_redundant_and_left_unwrapped(tmp_path):
     ],
 )
 def test_unknown_shape_is_drift_and_the_import_survives(old, new, message, tmp_path):
-    site = site_of("0.19.2", tmp_path)
+    site = site_of(MEGATRON_CORE, tmp_path)
     edit_source(site, old, new)
     row = report(site)
     assert row["state"] == "drifted" and message in row["reason"], row["reason"]
@@ -107,7 +108,7 @@ def test_unknown_shape_is_drift_and_the_import_survives(old, new, message, tmp_p
 def test_new_helper_is_drift_that_warns_and_strict_mode_fails_the_import(tmp_path):
     """process_mtp_loss calling a helper the hook does not know (it might reduce the counts itself):
     drift, never a second reduction."""
-    site = site_of("0.19.2", tmp_path)
+    site = site_of(MEGATRON_CORE, tmp_path)
     edit_source(site, "    original_num_tokens = loss_mask.sum()\n", "    original_num_tokens = _count(loss_mask)\n")
     edit_source(site, "def process_mtp_loss(", "def _count(mask):\n    return mask.sum()\n\n\ndef process_mtp_loss(")
     relaxed = run_with_release(site, REPORT.replace("warnings.simplefilter(\"ignore\")", ""), env=environment())
@@ -126,7 +127,7 @@ def test_patch_has_dep3_headers():
         assert f"\n{field}" in f"\n{header}", field
 
 
-@pytest.mark.parametrize("version", ["0.19.0", "0.19.1", "0.19.2"])
+@pytest.mark.parametrize("version", ["0.19.0", "0.19.1", MEGATRON_CORE])
 def test_patch_applies_and_reverts_byte_exactly_and_carries_the_marker(version, tmp_path):
     """On every 0.19 release (0.19.1 unmeasured: its family's hashes hold), through the patch engine
     with the shipped manifest; the patched file carries the runtime probe's redundancy marker."""

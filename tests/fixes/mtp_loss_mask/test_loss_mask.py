@@ -1,4 +1,4 @@
-"""mtp-loss-mask on real megatron-core 0.19.2: the MTP head trains only on masked positions.
+"""mtp-loss-mask on real megatron-core (the pinned release): the MTP head trains only on masked positions.
 
 RL trainers call GPTModel.forward with labels=None; megatron-core 0.19 then derives the MTP labels
 from input_ids and, without a loss_mask, trains the MTP head on every position: prompts, padding and
@@ -10,6 +10,7 @@ import os
 
 import pytest
 import torch
+from pins import MEGATRON_CORE
 
 from mtp_overlay.testing.launcher import run_ranks_checked
 from mtp_overlay.testing.releases import copy_installed, release_site, run_with_release
@@ -362,7 +363,7 @@ def test_forward_without_loss_mask_is_drift(tmp_path):
     assert signature in text
     source.write_text(text.replace(signature, "        padding_mask", 1))
     row = report(site)
-    assert row["version"] == "0.19.2" and row["state"] == "drifted" and not row["wrapped"]
+    assert row["version"] == MEGATRON_CORE and row["state"] == "drifted" and not row["wrapped"]
     assert "GPTModel.forward has no parameter(s) ['loss_mask']" in row["reason"]
     assert row["hybrid_wrapped"]  # each target is probed on its own: HybridModel still fits
     assert row["config_error"] is None

@@ -12,6 +12,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from pins import MEGATRON_CORE
 
 from mtp_overlay.cli import main
 from mtp_overlay.patching.manifest import DEFAULT_PATH, load
@@ -25,7 +26,7 @@ def sha(data):
     return hashlib.sha256(data).hexdigest()
 
 
-def image(*applied, version="0.19.2"):
+def image(*applied, version=MEGATRON_CORE):
     """The manifest's sha256 of the file carrying the patches of the fixes ``applied``."""
     return load().images["megatron-core"][version][MODULE][frozenset(applied)]
 
@@ -41,12 +42,12 @@ def tree(root):
 
 
 def site_copy(version, tmp_path):
-    if version == "0.19.2":
+    if version == MEGATRON_CORE:
         return copy_installed("megatron-core", tmp_path / "site")
     return copy_installed("megatron-core", tmp_path / "site", site=release_site("megatron-core", version))
 
 
-@pytest.mark.parametrize("version", ["0.19.2", pytest.param("0.16.1", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("version", [MEGATRON_CORE, pytest.param("0.16.1", marks=pytest.mark.slow)])
 def test_both_fixes_apply_check_and_revert_together_byte_identically(version, tmp_path, capsys):
     site = site_copy(version, tmp_path)
     before = tree(site)
@@ -67,7 +68,7 @@ def test_both_fixes_apply_check_and_revert_together_byte_identically(version, tm
 
 
 def test_each_fix_applies_and_reverts_alone_whatever_the_other_did(tmp_path, capsys):
-    site = site_copy("0.19.2", tmp_path)
+    site = site_copy(MEGATRON_CORE, tmp_path)
     before = tree(site)
     at = ("--site-packages", str(site))
     post, other_only, both = image(FIX), image(OTHER), image(FIX, OTHER)
@@ -89,22 +90,22 @@ def test_each_fix_applies_and_reverts_alone_whatever_the_other_did(tmp_path, cap
 
 
 def test_a_tampered_shared_file_is_refused_naming_every_measured_image(tmp_path, capsys):
-    site = site_copy("0.19.2", tmp_path)
+    site = site_copy(MEGATRON_CORE, tmp_path)
     with open(site / MODULE, "a") as handle:
         handle.write("# a local edit\n")
     before = tree(site)
     capsys.readouterr()
     assert main(["patch", "apply", "--site-packages", str(site), "--only", FIX]) == 1
     text = capsys.readouterr().out
-    assert f"expected sha256 {image()} (megatron-core 0.19.2 as released, or with other fixes' patches)" in text
+    assert f"expected sha256 {image()} (megatron-core {MEGATRON_CORE} as released, or with other fixes' patches)" in text
     assert tree(site) == before
 
 
 def test_patched_file_is_redundant_to_the_engine_past_every_variant(tmp_path, capsys):
     """A later release carrying the padded roll (here: our patch under a version no variant fits)."""
-    site = site_copy("0.19.2", tmp_path)
+    site = site_copy(MEGATRON_CORE, tmp_path)
     subprocess.run(["git", "apply", str(DEFAULT_PATH.parent / FIX / "megatron-core" / "0.17-0.19.patch")], cwd=site, check=True)
     metadata = next(site.glob("megatron_core-*.dist-info")) / "METADATA"
-    metadata.write_text(metadata.read_text().replace("\nVersion: 0.19.2\n", "\nVersion: 0.20.0\n", 1))
+    metadata.write_text(metadata.read_text().replace(f"\nVersion: {MEGATRON_CORE}\n", "\nVersion: 0.20.0\n", 1))
     code, rows = patch(capsys, "check", "--site-packages", str(site), "--only", FIX)
     assert code == 0 and rows[FIX]["state"] == "redundant" and "roll_tensor already calls cu_seqlens_q_padded" in rows[FIX]["reason"]

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from pins import MEGATRON_CORE
 
 from mtp_overlay.testing.releases import release_copy, run_json, run_with_release
 
@@ -61,7 +62,7 @@ def edit_source(site, *replacements):
     path.write_text(source)
 
 
-@pytest.mark.parametrize("version", [pytest.param("0.16.1", marks=pytest.mark.slow), "0.19.2"])
+@pytest.mark.parametrize("version", [pytest.param("0.16.1", marks=pytest.mark.slow), MEGATRON_CORE])
 def test_stock_release_needs_the_fix_and_gets_both_wrappers(version, tmp_path):
     row = report(site_of(version, tmp_path))
     assert row["version"] == version and row["state"] == "installed"
@@ -70,7 +71,7 @@ def test_stock_release_needs_the_fix_and_gets_both_wrappers(version, tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("version", "patch"), [pytest.param("0.16.1", "0.16", marks=pytest.mark.slow), ("0.19.2", "0.17-0.19")]
+    ("version", "patch"), [pytest.param("0.16.1", "0.16", marks=pytest.mark.slow), (MEGATRON_CORE, "0.17-0.19")]
 )
 def test_release_patched_on_disk_is_redundant_and_left_unwrapped(version, patch, tmp_path):
     site = site_of(version, tmp_path)
@@ -94,7 +95,7 @@ def _roll_tensor_packed_seq('''
 
 def test_upstream_reading_padded_boundaries_through_a_helper_is_redundant(tmp_path):
     """Megatron-LM dev reads cu_seqlens_q_padded in a helper its packed roll calls (#4494)."""
-    site = site_of("0.19.2", tmp_path)
+    site = site_of(MEGATRON_CORE, tmp_path)
     edit_source(
         site,
         ("\n\ndef _roll_tensor_packed_seq(", HELPER),
@@ -106,7 +107,7 @@ def test_upstream_reading_padded_boundaries_through_a_helper_is_redundant(tmp_pa
 
 def test_main_shape_with_return_sum_is_needed_and_honours_return_sum(tmp_path):
     """Megatron-LM main (2026-08): both rolls take return_sum and still read cu_seqlens_q."""
-    site = site_of("0.19.2", tmp_path)
+    site = site_of(MEGATRON_CORE, tmp_path)
     edit_source(
         site,
         ("def roll_tensor(tensor, shifts=-1, dims=-1, cp_group=None, packed_seq_params=None):",
@@ -122,7 +123,7 @@ def test_main_shape_with_return_sum_is_needed_and_honours_return_sum(tmp_path):
 
 
 def test_renamed_roll_is_drift_and_import_survives(tmp_path):
-    site = site_of("0.19.2", tmp_path)
+    site = site_of(MEGATRON_CORE, tmp_path)
     edit_source(
         site,
         ("def _roll_tensor_packed_seq(", "def _roll_packed_sequences("),
@@ -134,7 +135,7 @@ def test_renamed_roll_is_drift_and_import_survives(tmp_path):
 
 
 def test_unknown_signature_is_drift_naming_the_parameters(tmp_path):
-    site = site_of("0.19.2", tmp_path)
+    site = site_of(MEGATRON_CORE, tmp_path)
     edit_source(site, ("def _roll_tensor_packed_seq(tensor, shifts, dims, packed_seq_params, cp_group=None):",
                        "def _roll_tensor_packed_seq(tensor, shifts, dims, packed_seq_params, cp_group=None, fill=0):"))
     row = report(site)
@@ -186,7 +187,7 @@ if __name__ == "__main__":
 
 
 def test_patched_release_rolls_like_the_hook_with_the_hook_standing_down(tmp_path):
-    site = site_of("0.19.2", tmp_path)
+    site = site_of(MEGATRON_CORE, tmp_path)
     apply_patch(site, PATCHES / "0.17-0.19.patch")
     script = tmp_path / "patched_rolls.py"
     script.write_text(PATCHED_ROLLS)

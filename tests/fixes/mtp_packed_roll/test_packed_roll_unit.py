@@ -1,4 +1,4 @@
-"""mtp-packed-roll at unit level: megatron-core 0.19.2's installed roll on hand-built padded packs.
+"""mtp-packed-roll at unit level: the pinned megatron-core's installed roll on hand-built padded packs.
 
 Every case runs the installed ``roll_tensor`` with the fix on and the stock function (the installed
 upstream code, unwrapped) in the same test, position by position against an independent

@@ -1,6 +1,6 @@
 """mtp-sp-scatter's probe on real megatron-core releases: needed, redundant, drifted.
 
-Each case imports a real megatron-core (the venv's 0.19.2, a side-by-side release, or a copy of one
+Each case imports a real megatron-core (the venv's pinned release, a side-by-side release, or a copy of one
 that the test patched or broke) in a fresh interpreter with the overlay on.
 """
 
@@ -10,6 +10,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from pins import MEGATRON_CORE
 
 from mtp_overlay.testing.releases import release_copy, run_json, run_with_release
 
@@ -41,7 +42,7 @@ def apply_patch(site, patch):
 
 
 @pytest.mark.parametrize(
-    ("version", "variant"), [("0.16.1", "0.16-0.17"), ("0.18.2", "0.18-0.19"), ("0.19.2", "0.18-0.19")]
+    ("version", "variant"), [("0.16.1", "0.16-0.17"), ("0.18.2", "0.18-0.19"), (MEGATRON_CORE, "0.18-0.19")]
 )
 def test_stock_release_needs_the_fix_and_gets_the_hook(version, variant, tmp_path):
     row = report(site_of(version, tmp_path))
@@ -50,7 +51,7 @@ def test_stock_release_needs_the_fix_and_gets_the_hook(version, variant, tmp_pat
     assert row["wrapped"]
 
 
-@pytest.mark.parametrize(("version", "patch"), [("0.16.1", "0.16"), ("0.18.2", "0.18"), ("0.19.2", "0.19")])
+@pytest.mark.parametrize(("version", "patch"), [("0.16.1", "0.16"), ("0.18.2", "0.18"), (MEGATRON_CORE, "0.19")])
 def test_release_carrying_the_fix_is_redundant_and_left_unwrapped(version, patch, tmp_path):
     site = site_of(version, tmp_path)
     apply_patch(site, PATCHES / f"{patch}.patch")
@@ -67,7 +68,7 @@ def break_source(site, old, new):
 
 
 def test_renamed_method_is_drift_and_import_survives(tmp_path):
-    site = site_of("0.19.2", tmp_path)
+    site = site_of(MEGATRON_CORE, tmp_path)
     break_source(site, "def _get_embeddings(", "def _get_embeds(")
     row = report(site)
     assert row["state"] == "drifted" and "has no _get_embeddings" in row["reason"]
@@ -75,7 +76,7 @@ def test_renamed_method_is_drift_and_import_survives(tmp_path):
 
 
 def test_unknown_signature_is_drift_naming_the_parameters(tmp_path):
-    site = site_of("0.19.2", tmp_path)
+    site = site_of(MEGATRON_CORE, tmp_path)
     break_source(site, "        padding_mask: Optional[torch.Tensor] = None,\n    ):",
                  "        padding_mask: Optional[torch.Tensor] = None,\n        extra=None,\n    ):")
     row = report(site)
@@ -83,7 +84,7 @@ def test_unknown_signature_is_drift_naming_the_parameters(tmp_path):
 
 
 def test_drift_warns_by_default_and_strict_mode_fails_the_import(tmp_path):
-    site = site_of("0.19.2", tmp_path)
+    site = site_of(MEGATRON_CORE, tmp_path)
     break_source(site, "def _get_embeddings(", "def _get_embeds(")
     code = "import mtp_overlay, megatron.core.transformer.multi_token_prediction"
     relaxed = run_with_release(site, code)
@@ -96,6 +97,6 @@ def test_megatron_imported_before_the_overlay_is_patched_late(tmp_path):
     code = REPORT.replace("import mtp_overlay\nimport megatron.core.transformer.multi_token_prediction as m",
                           "import megatron.core.transformer.multi_token_prediction as m\nimport mtp_overlay")
     code = code.replace('"wrapped":', '"late": row.late, "wrapped":')
-    result = run_with_release(site_of("0.19.2", tmp_path), code)
+    result = run_with_release(site_of(MEGATRON_CORE, tmp_path), code)
     row = json.loads(result.stdout.strip().splitlines()[-1])
     assert row["state"] == "installed" and row["late"] and row["wrapped"]

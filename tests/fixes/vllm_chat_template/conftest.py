@@ -1,25 +1,26 @@
 """The vLLM worlds the vllm-chat-template tests look at, each observed once per session.
 
 A world is a vLLM install and what `mtp_overlay.testing.vllm_chat_template.observe` saw there:
-- "0.33.0": the venv's vLLM, in this process, the fix off (stock) and on (the hook);
+- the pinned vLLM (``pins.VLLM``): the venv's, in this process, the fix off (stock) and on (the hook);
 - "0.25.1": vLLM 0.25.1 side by side, in a subprocess, off and on;
-- "0.33.0 patched", "0.25.1 patched": a copy of each carrying the fix's DEP-3 patch (applied with
+- "<pinned> patched", "0.25.1 patched": a copy of each carrying the fix's DEP-3 patch (applied with
   `mtp-overlay patch apply`), the hook on (it stands down), in a subprocess.
 """
 
 import pytest
+from pins import VLLM
 
 from mtp_overlay.cli import main
 from mtp_overlay.testing.releases import copy_installed, release_site
 from mtp_overlay.testing.vllm_chat_template import observe, observe_in_subprocess
 
-VERSIONS = ("0.33.0", "0.25.1")
-MULTIMODAL = {"0.33.0": True, "0.25.1": False}  # 0.25.1's LLaVA does not import on transformers 5.20
+VERSIONS = (VLLM, "0.25.1")
+MULTIMODAL = {VLLM: True, "0.25.1": False}  # 0.25.1's LLaVA does not import on transformers 5.20
 
 
 def copy_release(version, destination):
-    """A private copy of vLLM ``version`` (the venv's for 0.33.0) to patch or edit."""
-    return copy_installed("vllm", destination, site=None if version == "0.33.0" else release_site("vllm", version))
+    """A private copy of vLLM ``version`` (the venv's for the pinned one) to patch or edit."""
+    return copy_installed("vllm", destination, site=None if version == VLLM else release_site("vllm", version))
 
 
 @pytest.fixture
@@ -40,7 +41,7 @@ def world(tmp_path_factory):
                 site = copy_release(version, work / "site")
                 assert main(["patch", "apply", "--site-packages", str(site), "--only", "vllm-chat-template"]) == 0
                 seen[name] = observe_in_subprocess(site, work / "work", stock=False, multimodal=MULTIMODAL[version])
-            elif version == "0.33.0":
+            elif version == VLLM:
                 seen[name] = observe(work)
             else:
                 seen[name] = observe_in_subprocess(release_site("vllm", version), work, multimodal=MULTIMODAL[version])

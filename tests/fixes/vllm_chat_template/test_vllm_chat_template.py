@@ -1,7 +1,7 @@
 """vllm-chat-template on vLLM's real chat consumers (OnlineRenderer, OnlineDerenderer,
 ServingTokenization, OpenAIServingChat, OpenAIServingResponses, AnthropicServingMessages).
 
-Each test reads one world (see conftest.py): vLLM 0.33.0 in this process (a tiny LLaVA: the image goes
+Each test reads one world (see conftest.py): the pinned vLLM in this process (a tiny LLaVA: the image goes
 through LLaVA's real multimodal processor) and vLLM 0.25.1 in a subprocess (a tiny Llama: the
 ``<image>`` placeholder is text), the fix off (stock) and on, next to what vLLM's own CLI path
 (`make_arg_parser` + `init_app_state`) builds from ``--chat-template FILE --default-chat-template-kwargs``.
@@ -9,10 +9,11 @@ Stand-ins (GPU only): the engine client, and the platform's device type while th
 """
 
 import pytest
+from pins import VLLM
 
 CONSUMERS = ("OnlineRenderer", "OnlineDerenderer", "ServingTokenization", "OpenAIServingChat", "OpenAIServingResponses")
 OFF = {"enable_thinking": False}
-HOOK = [pytest.param("0.33.0"), pytest.param("0.25.1", marks=pytest.mark.slow)]
+HOOK = [pytest.param(VLLM), pytest.param("0.25.1", marks=pytest.mark.slow)]
 TEMPLATE_FILE = "<work>/chat.jinja"
 
 
@@ -27,21 +28,21 @@ def cli(world, label="stock"):
 
 @pytest.mark.parametrize("version", HOOK)
 def test_template_file_renders_as_its_path_on_stock_and_like_vllm_serve_when_fixed(world, version):
-    """A chat with an image rendered through a template FILE: stock renders the path (0.33.0: LLaVA's
+    """A chat with an image rendered through a template FILE: stock renders the path (the pinned vLLM: LLaVA's
     processor finds no <image> to expand and fails); fixed, byte for byte what `vllm serve` renders."""
     seen = world(version)
     served = cli(seen)
     prompt, ids, placeholders = value(served["chat_image"])
     assert "<image>" in prompt and prompt.endswith("assistant : /no_think")
     assert value(served["tokenize_image"]) == ids
-    if seen["version"] == "0.33.0":
+    if seen["version"] == VLLM:
         assert placeholders == {"image": [[2, 4]]} and ids.count(3) == 4  # 4 image tokens in place of <image>
 
     stock = seen["stock"]["path_str"]
     assert all(stored == [repr(TEMPLATE_FILE), OFF if name == "OnlineRenderer" else {}]
                for name, stored in stock["consumers"].items())
     assert value(stock["chat_text"])[0] == TEMPLATE_FILE  # the path is the prompt
-    if seen["version"] == "0.33.0":
+    if seen["version"] == VLLM:
         assert "Failed to apply prompt replacement for mm_items['image'][0]" in stock["chat_image"]["error"]
     else:
         assert value(stock["chat_image"])[0] == TEMPLATE_FILE
@@ -187,7 +188,7 @@ def without_warning_category(observed):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("version", ["0.33.0", "0.25.1"])
+@pytest.mark.parametrize("version", [VLLM, "0.25.1"])
 def test_patched_vllm_behaves_like_the_hook_and_the_hook_stands_down(world, version):
     """The DEP-3 patch applied to a copy of the release: every case observes what the hook gives,
     the CLI path renders as stock vLLM's, the probe says redundant and nothing is wrapped."""

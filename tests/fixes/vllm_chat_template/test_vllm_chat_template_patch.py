@@ -1,4 +1,4 @@
-"""vllm-chat-template as a DEP-3 source patch and as a probe, on real vLLM 0.33.0 and 0.25.1 files.
+"""vllm-chat-template as a DEP-3 source patch and as a probe, on the real files of the pinned vLLM and 0.25.1.
 
 Pre-image hashes are checked against each release's dist-info RECORD (the wheel's own sha256 of every
 file); apply / check / revert run `mtp-overlay patch` on private copies of the releases; the probe
@@ -11,6 +11,7 @@ import re
 from pathlib import Path
 
 import pytest
+from pins import VLLM
 
 from mtp_overlay import registry
 from mtp_overlay.cli import main
@@ -21,7 +22,7 @@ from mtp_overlay.testing.releases import edited_module
 from mtp_overlay.testing.reproducers import reproduce
 
 NAME = "vllm-chat-template"
-VARIANT_OF = {"0.33.0": "0.33.patch", "0.25.1": "0.25.patch"}
+VARIANT_OF = {VLLM: "0.33.patch", "0.25.1": "0.25.patch"}
 DEP3 = ("Description:", "Origin:", "Bug:", "Forwarded:", "Applied-Upstream:", "Last-Update:")
 
 
@@ -80,7 +81,7 @@ def test_apply_check_revert_round_trip_is_byte_identical(version, vllm_copy, tmp
 # --- the probe -------------------------------------------------------------------------------------
 def test_stock_release_needs_the_fix_on_every_consumer():
     row = registry.check([NAME])[0]
-    assert row.verdict == "needed" and row.version == "0.33.0"
+    assert row.verdict == "needed" and row.version == VLLM
     for role, module in FIX.targets.items():
         class_name = CONSUMERS[role][0]
         assert f"{module}: {class_name}.__init__ stores chat_template as given" in row.reason

@@ -1,4 +1,4 @@
-"""vllm-mtp-drafter-load on vLLM 0.33.0's real MTP drafters, built on CPU.
+"""vllm-mtp-drafter-load on the pinned vLLM's real MTP drafters, built on CPU.
 
 ``NemotronHMTP`` (reads ``mtp.*``) and ``DeepSeekMTP`` (reads positional ``model.layers.<2>.``) are
 made by vLLM's own ``initialize_model`` from tiny configs; their ``load_weights`` and weight loaders
@@ -13,6 +13,7 @@ import warnings
 
 import pytest
 import torch
+from pins import VLLM
 
 import mtp_overlay
 from mtp_overlay.testing.releases import edited_module
@@ -147,7 +148,7 @@ def test_a_complete_refit_loads_every_parameter_and_reports_nothing(drafters, ov
 
 
 def test_nemotron_h_reads_the_multimodal_language_model_prefix(drafters, overlay):
-    """vLLM 0.33.0 strips ``language_model.`` (Nemotron-H VL checkpoints); 0.25.1 drops such names."""
+    """The pinned vLLM strips ``language_model.`` (Nemotron-H VL checkpoints); 0.25.1 drops such names."""
     model = drafters["nemotron_h"]
     overlay(True, strict=True)
     with drafter_refit(model) as block:
@@ -273,7 +274,7 @@ def test_probe_install_and_uninstall_on_the_installed_vllm(drafters, overlay):
 
     overlay(True)
     row = mtp_overlay.status(only=[NAME])[0]
-    assert (row.state, row.distribution, row.version) == ("installed", "vllm", "0.33.0")
+    assert (row.state, row.distribution, row.version) == ("installed", "vllm", VLLM)
     bindings = [(nemotron_h_mtp.NemotronHMTP, "load_weights"), (deepseek_mtp.DeepSeekMTP, "load_weights"),
                 (layerwise, "initialize_layerwise_reload"), (layerwise, "finalize_layerwise_reload"),
                 (inplace, "initialize_layerwise_reload"), (inplace, "finalize_layerwise_reload")]

@@ -1,7 +1,7 @@
 """vllm-mtp-drafter-load on vLLM 0.25.1's real NemotronHMTP (installed side by side, run in a subprocess).
 
 0.25.1's ``NemotronHMTP.load_weights`` reads only names starting with ``mtp.`` (and the embedding and
-LM head it still owns): it drops positional names and, unlike 0.33.0, the ``language_model.mtp.*``
+LM head it still owns): it drops positional names and, unlike the pinned vLLM, the ``language_model.mtp.*``
 names of multimodal Nemotron-H checkpoints. It has no ``is_unused_checkpoint_weight``, so the fix
 falls back to "nothing of the name's MTP layer was loaded" for dropped names.
 """

@@ -1,7 +1,7 @@
-"""Source patches for vLLM 0.33.0 and 0.25.1: vllm-mtp-drafter-load and device-normalized-broadcast.
+"""Source patches for the pinned vLLM and 0.25.1: vllm-mtp-drafter-load and device-normalized-broadcast.
 
 For container images whose processes never ``import mtp_overlay``. Every case patches a private copy
-of a real install (the venv's vLLM 0.33.0, the side-by-side 0.25.1): its files hard-linked into a
+of a real install (the venv's pinned vLLM, the side-by-side 0.25.1): its files hard-linked into a
 temporary site, the touched files real copies. The patched vLLM is then run: it reports a stale
 drafter and normalizes devices by itself, and the overlay's hooks stand down (``redundant``).
 """
@@ -16,6 +16,7 @@ import sysconfig
 from pathlib import Path
 
 import pytest
+from pins import VLLM
 
 from mtp_overlay import registry
 from mtp_overlay.cli import main
@@ -26,11 +27,11 @@ REPO = Path(__file__).resolve().parents[3]
 FIXES = ("vllm-mtp-drafter-load", "device-normalized-broadcast")
 # every fix that ships a vLLM patch (what container_build.sh applies)
 VLLM_PATCHED = [name for name in registry.names() if registry.get(name).distribution == "vllm" and registry.get(name).families]
-VERSIONS = ("0.33.0", "0.25.1")
+VERSIONS = (VLLM, "0.25.1")
 
 
 def installed_site(version):
-    return Path(sysconfig.get_paths()["purelib"]) if version == "0.33.0" else release_site("vllm", version)
+    return Path(sysconfig.get_paths()["purelib"]) if version == VLLM else release_site("vllm", version)
 
 
 def patch_file(fix, version):
@@ -44,7 +45,7 @@ def touched(version, fixes=FIXES):
 
 def patched_copy(version, tmp_path):
     site = tmp_path / f"site-{version}"
-    return link_installed("vllm", site, site=None if version == "0.33.0" else installed_site(version), copies=touched(version))
+    return link_installed("vllm", site, site=None if version == VLLM else installed_site(version), copies=touched(version))
 
 
 def patch(capsys, *args):
@@ -178,7 +179,7 @@ def test_patched_vllm_sends_every_refit_tensor_from_the_communicator_device(patc
 
 @pytest.mark.slow
 def test_container_build_script_on_a_fresh_environment_with_vllm(tmp_path):
-    """scripts/container_build.sh on a fresh venv holding (a linked copy of) vLLM 0.33.0: both vLLM
+    """scripts/container_build.sh on a fresh venv holding (a linked copy of) the pinned vLLM: both vLLM
     patches land, `patch check` is clean, and a process that imports the overlay finds its hooks
     standing down (``redundant``)."""
     venv = tmp_path / "venv"
@@ -186,7 +187,7 @@ def test_container_build_script_on_a_fresh_environment_with_vllm(tmp_path):
     python = venv / "bin" / "python"
     ask = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
     purelib = Path(subprocess.run([python, "-c", ask], capture_output=True, text=True, check=True).stdout.strip())
-    link_installed("vllm", purelib, copies=touched("0.33.0", VLLM_PATCHED))
+    link_installed("vllm", purelib, copies=touched(VLLM, VLLM_PATCHED))
     # the rest of the pinned stack is this venv's, seen through a .pth: the script's pip finds it satisfied
     (purelib / "pinned-stack.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     source = tmp_path / "src"
@@ -196,10 +197,10 @@ def test_container_build_script_on_a_fresh_environment_with_vllm(tmp_path):
     build = subprocess.run(["bash", str(source / "scripts" / "container_build.sh")],
                            env={**os.environ, "PYTHON": str(python)}, capture_output=True, text=True, timeout=1800)
     assert build.returncode == 0, build.stdout + build.stderr
-    images = load().images["vllm"]["0.33.0"]
+    images = load().images["vllm"][VLLM]
     for fix in VLLM_PATCHED:
-        assert f"{fix} (vllm 0.33.0, 0.33.patch): patched -> applied" in build.stdout
-        fix_files = touched_files(patch_file(fix, "0.33.0"))
+        assert f"{fix} (vllm {VLLM}, 0.33.patch): patched -> applied" in build.stdout
+        fix_files = touched_files(patch_file(fix, VLLM))
         assert tree_sha(purelib, fix_files) == {f: images[f][frozenset({fix})] for f in fix_files}
 
     hooks = subprocess.run(
