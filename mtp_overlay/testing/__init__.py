@@ -72,10 +72,15 @@ Usage (``fn`` must be a module-level function, its arguments and return value pi
   tiny local Qwen3 / NemotronH configs); importable without Bridge (``bridge_installed()``).
 * vLLM on CPU: ``vllm_serving`` / ``vllm_chat_template`` (an in-process OpenAI server's consumers,
   and the CLI path's), ``vllm_drafter`` (real MTP drafter modules), ``streams`` (CUDA-stream and
-  communicator stand-ins for the weight-transfer producer).
+  communicator stand-ins for the weight-transfer producer), ``vllm_worker`` (vLLM's own Worker
+  weight-update sessions, both model runners and every weight-transfer engine over the tiny NemotronH
+  target and its real NemotronHMTP drafter: ``worker_environment()`` yields a ``WorkerBed``;
+  ``run_sequence(bed, SEQUENCES["target, target"])`` says per step what changed and what was said;
+  ``execute_model_stopped``).
 * ``cpu_shims``: the CPU stand-ins (HybridStack's TE final norm, TE's CP and THD attention, DDP's
-  stream, the schedule's CUDA tensors, Bridge's TE import), installed by the launcher on CPU; test
-  scaffolding only, ``cpu_shims()`` context manager or ``install()`` / ``uninstall()``.
+  stream, the schedule's CUDA tensors, Bridge's TE import, the weight-transfer engines' device
+  synchronize), installed by the launcher on CPU; test scaffolding only, ``cpu_shims()`` context
+  manager or ``install()`` / ``uninstall()``.
 * ``releases``: other upstream releases side by side (``release_site``, ``copy_installed``,
   ``link_installed``, ``run_with_release``, ``record_sha256``); ``remote_code``: a tiny
   trust_remote_code model and its Ray round trip.

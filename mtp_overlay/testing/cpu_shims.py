@@ -49,6 +49,13 @@ Megatron's own training step (``mtp_overlay.testing.megatron_step``):
   CPU when asked for ``"cuda"``; the gradient norm's multi-tensor L2 norm (megatron-core's local
   fallback returns it on "cuda") runs on the CPU. (Gradient clipping itself asserts CUDA tensor
   types: the test bed's optimizer does not clip.)
+
+vLLM's weight-transfer engines (scoped, used by ``testing.vllm_worker``):
+
+* ``accelerator_synchronize_stand_in()``: ``WeightTransferEngine.update_weights`` ends with
+  ``torch.accelerator.synchronize()`` (vLLM 0.33.0 ``distributed/weight_transfer/base.py:598``,
+  0.25.1 ``:182``), which raises "Found no NVIDIA driver" on a machine without one: inside the block
+  it returns at once (host copies are done when they return), and only while no accelerator exists.
 """
 
 import builtins
@@ -548,4 +555,27 @@ def bridge_local_mtp_spec():
         return build(config, spec, use_transformer_engine=False, **kwargs)
 
     with swapped([Shim(gpt_layer_specs, "get_gpt_mtp_block_spec", build_local)]):
+        yield
+
+
+@contextlib.contextmanager
+def accelerator_synchronize_stand_in():
+    """Inside the block ``torch.accelerator.synchronize`` returns at once when no accelerator exists.
+
+    vLLM's ``WeightTransferEngine.update_weights`` synchronizes the device after every chunk so the
+    next step reads the new weights (0.33.0 ``distributed/weight_transfer/base.py:598``); the CUDA
+    build of torch raises there without a driver. On the host every copy into a parameter has
+    finished when it returns, so there is nothing to wait for. With an accelerator the real function
+    stays.
+    """
+    import torch
+
+    if torch.accelerator.is_available():
+        yield
+        return
+
+    def synchronize(device=None):
+        return None
+
+    with swapped([Shim(torch.accelerator, "synchronize", synchronize)]):
         yield
