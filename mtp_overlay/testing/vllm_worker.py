@@ -57,7 +57,8 @@ def target_vllm_config(directory, engine="nccl"):
                                     target_parallel_config=ParallelConfig())
     parallel = ParallelConfig(distributed_executor_backend="ray") if engine == "sharded_rdt" else ParallelConfig()
     return VllmConfig(model_config=target, speculative_config=speculative, parallel_config=parallel,
-                      device_config=DeviceConfig(device="cpu"), weight_transfer_config=WeightTransferConfig(backend=engine))
+                      device_config=DeviceConfig(device="cpu"),
+                      weight_transfer_config=WeightTransferConfig(backend=engine))
 
 
 def write_checkpoint(directory, seed=0):
@@ -224,9 +225,11 @@ def make_worker(bed, runner="v2", engine="nccl"):
     if engine == "nccl":  # what init_transfer_engine records from the trainer's init info (0.33.0)
         transfer.model_update_group = HostCommunicator("cpu")
         if hasattr(transfer, "packed"):
-            transfer.packed, transfer.packed_buffer_size_bytes, transfer.packed_num_buffers = True, PACKED_BUFFER_BYTES, PACKED_BUFFERS
-    vars(made).update(vllm_config=bed.config, speculative_config=bed.config.speculative_config, model_runner=runner_object,
-                      weight_transfer_engine=transfer, rank=0, _weight_update_active=False, _pp_send_work=[], profiler=None)
+            transfer.packed = True
+            transfer.packed_buffer_size_bytes, transfer.packed_num_buffers = PACKED_BUFFER_BYTES, PACKED_BUFFERS
+    vars(made).update(vllm_config=bed.config, speculative_config=bed.config.speculative_config,
+                      model_runner=runner_object, weight_transfer_engine=transfer, rank=0,
+                      _weight_update_active=False, _pp_send_work=[], profiler=None)
     if hasattr(Worker, "start_draft_weight_update"):
         made._weight_update_is_draft = False
     return made
@@ -240,7 +243,8 @@ def can_receive(worker):
 def update_info(worker, stream):
     """The NCCL engine's per-chunk update info for ``stream``: names, dtypes, shapes, and where the
     release carries the wire parameters per chunk (vLLM 0.25.1; 0.33.0 takes them at init), those."""
-    info = {"names": [name for name, _ in stream], "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in stream],
+    info = {"names": [name for name, _ in stream],
+            "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in stream],
             "shapes": [list(t.shape) for _, t in stream]}
     fields = {field.name for field in dataclasses.fields(worker.weight_transfer_engine.update_info_cls)}
     if "packed" in fields:
@@ -315,7 +319,8 @@ def execute_model_stopped(caller):
     finally:
         if "execute_model_state" in vars(runner):
             runner.execute_model_state = None
-    raise AssertionError(f"{type(caller).__name__}.execute_model returned: the bed could not stop it at its first statement")
+    raise AssertionError(f"{type(caller).__name__}.execute_model returned: the bed could not stop it "
+                         "at its first statement")
 
 
 # --- sequences ---------------------------------------------------------------------------------

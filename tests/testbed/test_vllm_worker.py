@@ -82,7 +82,8 @@ def test_the_checkpoint_holds_the_target_and_the_mtp_head_which_the_target_drops
     mapper = type(bed.target).hf_to_vllm_mapper
     assert [name for name in names if mapper.map_name(name) is None] == bed.mtp_names
     assert [name for name in names if not bed.drafter.is_unused_checkpoint_weight(name)] == bed.mtp_names
-    assert bed.drafter_parameters() == sorted(n for n, _ in bed.drafter.named_parameters() if n.startswith("model.layers."))
+    layers = sorted(name for name, _ in bed.drafter.named_parameters() if name.startswith("model.layers."))
+    assert bed.drafter_parameters() == layers  # its own: the MTP block
     assert bed.shared_parameters() == ["lm_head.weight", "model.embed_tokens.weight"]
 
 
@@ -161,6 +162,32 @@ def test_which_refits_go_through_the_layerwise_reload_of_the_target(bed):
                      "sparse_nccl": [], "nccl_m2n": [], "sharded_rdt": [("begin", "target"), ("end", "target")]}
     direct = run_sequence(bed, ("load_weights mtp.*",))[0]
     assert direct.layerwise == [] and direct.drafter_changed == bed.drafter_parameters()
+
+
+@pytest.mark.parametrize("runner", RUNNERS)
+def test_vllm_resets_the_runners_lora_state_once_per_target_refit_and_never_for_the_drafter(bed, runner):
+    """vLLM 0.33.0 calls ``reset_lora_state`` where the target's weights were replaced: after a
+    target session (``Worker.finish_weight_update``) and in ``reload_weights``, once each; V2's
+    override calls the mixin's once (``super()``)."""
+    from unittest import mock
+
+    from vllm.v1.worker.lora_model_runner_mixin import LoRAModelRunnerMixin
+
+    original = vars(LoRAModelRunnerMixin)["reset_lora_state"]
+    calls = []
+
+    def counting(self):
+        calls.append(self)
+        return original(self)
+
+    worker = bed.worker(runner)
+    counts = []
+    with mock.patch.object(LoRAModelRunnerMixin, "reset_lora_state", counting):
+        for action in ("target", "draft", "reload", "load_weights mtp.*", "execute"):
+            before = len(calls)
+            run_sequence(bed, (action,), worker=worker)
+            counts.append(len(calls) - before)
+    assert counts == [1, 0, 1, 0, 0] and set(calls) == {worker.model_runner}
 
 
 # --- execute_model: the real method, its body stopped at its first statement ---------------------
@@ -257,7 +284,8 @@ from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 from vllm.v1.worker.gpu_worker import Worker
 
 mtp_overlay.uninstall()
-out = {"version": vllm.__version__, "worker": sorted(vars(Worker)), "engines": sorted(WeightTransferEngineFactory._registry),
+out = {"version": vllm.__version__, "worker": sorted(vars(Worker)),
+       "engines": sorted(WeightTransferEngineFactory._registry),
        "engine_flag": hasattr(base.WeightTransferEngine, "supports_draft_weight_update")}
 with worker_environment() as bed:
     out["v2_default"], out["drafter_parameters"] = bed.config.use_v2_model_runner, bed.drafter_parameters()
