@@ -77,9 +77,9 @@ def write_checkpoint(directory, seed=0):
     AutoModelForCausalLM.from_config(tiny_config("nemotron_h"), dtype=torch.float32).save_pretrained(directory)
     path = os.path.join(directory, CHECKPOINT)
     tensors = safetensors.torch.load_file(path)
-    config = target_vllm_config(directory).speculative_config
+    config = target_vllm_config(directory)
     with torch.device("cpu"):  # the drafter's layout, to name its head: vLLM's own class, no weights
-        skeleton = initialize_model(vllm_config=target_vllm_config(directory), model_config=config.draft_model_config)
+        skeleton = initialize_model(vllm_config=config, model_config=config.speculative_config.draft_model_config)
     head = refit_stream(skeleton, "mtp.*", seed=seed, with_target_names=False)
     tensors.update(head)
     safetensors.torch.save_file(tensors, path, metadata={"format": "pt"})
@@ -100,7 +100,7 @@ class WorkerBed:
 
     def export_stream(self, seed=None):
         """``[(checkpoint name, fresh tensor)]`` of every tensor in the checkpoint, in its order (the
-        target's and the 9 ``mtp.*`` of the MTP head): what a trainer's full export sends."""
+        target's and the MTP head's ``mtp.*``): what a trainer's full export sends."""
         import torch
 
         generator = torch.Generator().manual_seed(self._seed(seed))
@@ -327,8 +327,9 @@ def execute_model_stopped(caller):
 # "target": a target session carrying the full export (the target's tensors and the mtp.* head);
 # "draft": a draft session carrying the mtp.* head; "reload": GPUModelRunner.reload_weights of the
 # full export (an iterator, checkpoint format); "execute": Worker.execute_model, its runner's
-# stopped at its first statement; "load_weights <naming>": the drafter's own load_weights called directly on its head in
-# that naming (what trainers that bypass the sessions do, and vLLM 0.25.1's only way to refit it).
+# stopped at its first statement; "load_weights <naming>": the drafter's own load_weights called
+# directly on its head in that naming (what trainers that bypass the sessions do, and vLLM 0.25.1's
+# only way to refit the drafter).
 ACTIONS = ("target", "draft", "reload", "execute", "load_weights mtp.*", "load_weights positional")
 SEQUENCES = {
     "target, target": ("target", "target"),
@@ -357,8 +358,8 @@ class Step:
     drafter_loaded: list = dataclasses.field(default_factory=list)  # load_weights' return, own parameters
     layerwise: list = dataclasses.field(default_factory=list)  # [("begin"|"end", role)]: vLLM's layerwise reload
     said: list = dataclasses.field(default_factory=list)  # OverlayWarning messages
-    error: str = None  # what vLLM raised (a refused draft session)
-    stopped_at: str = None  # "execute": where vLLM's execute_model body stopped
+    error: str = None  # "draft": what vLLM raised refusing it; "execute": where the body was stopped
+    stopped_at: str = None  # "execute": "vllm/<file>:<line>" of that stop
 
 
 def _raw(tensor):
@@ -438,20 +439,22 @@ def run_step(bed, worker, action, chunk=None):
     step.sent = [name for name, _ in step.stream]
     with warnings.catch_warnings(record=True) as caught, layerwise_reloads(bed) as step.layerwise:
         warnings.simplefilter("always")
-        try:
-            if action in ("target", "draft"):
-                step.calls = session(worker, step.stream, draft=action == "draft", chunk=chunk)
-            elif action == "reload":
-                worker.model_runner.reload_weights(weights_iterator=iter(step.stream))
-                step.calls = 1
-            elif action == "execute":
-                stopped, step.stopped_at = execute_model_stopped(worker)
-                step.error = f"{type(stopped).__name__}: {stopped}"
-            else:
-                step.drafter_loaded = sorted(set(bed.drafter.load_weights(iter(step.stream))) & set(own))
-                step.calls = 1
-        except (RuntimeError, AttributeError) as refused:  # a draft session vLLM refuses, or has not (0.25.1)
-            step.error = f"{type(refused).__name__}: {refused}"
+        if action == "target":
+            step.calls = session(worker, step.stream, chunk=chunk)
+        elif action == "draft":
+            try:
+                step.calls = session(worker, step.stream, draft=True, chunk=chunk)
+            except (RuntimeError, AttributeError) as refused:  # an engine without draft sessions; 0.25.1
+                step.error = f"{type(refused).__name__}: {refused}"
+        elif action == "reload":
+            worker.model_runner.reload_weights(weights_iterator=iter(step.stream))
+            step.calls = 1
+        elif action == "execute":
+            stopped, step.stopped_at = execute_model_stopped(worker)
+            step.error = f"{type(stopped).__name__}: {stopped}"
+        else:
+            step.drafter_loaded = sorted(set(bed.drafter.load_weights(iter(step.stream))) & set(own))
+            step.calls = 1
     step.said = [str(w.message) for w in caught if issubclass(w.category, OverlayWarning)]
     step.target_changed = _changed(bed.target, before_target, before_target)
     step.drafter_changed = _changed(bed.drafter, before_drafter, own)
