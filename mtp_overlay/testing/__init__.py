@@ -108,13 +108,17 @@ Usage (``fn`` must be a module-level function, its arguments and return value pi
   ``export_case`` / ``exported_drafters`` (HF export -> vLLM's real NemotronHMTP).
 * vLLM on CPU: ``vllm_serving`` / ``vllm_chat_template`` (an in-process OpenAI server's consumers,
   and the CLI path's), ``vllm_drafter`` (real MTP drafter modules), ``streams`` (CUDA-stream and
-  communicator stand-ins for the weight-transfer producer).
+  communicator stand-ins for the weight-transfer producer), ``vllm_worker`` (vLLM's own Worker
+  weight-update sessions, both model runners and every weight-transfer engine over the tiny NemotronH
+  target and its real NemotronHMTP drafter: ``worker_environment()`` yields a ``WorkerBed``;
+  ``run_sequence(bed, SEQUENCES["target, target"])`` says per step what changed and what was said;
+  ``execute_model_stopped``).
 * ``cpu_shims``: the CPU stand-ins (HybridStack's TE final norm, TE's CP and THD attention, DDP's
   stream, the schedule's CUDA tensors, the alltoall MoE dispatcher's stream and split sizes, the
-  pipeline's synchronize and embedding-copy ``.cuda()``, Bridge's TE import, Mamba's kernels), installed
-  by the launcher on CPU; test scaffolding only, ``cpu_shims()`` context manager or ``install()`` /
-  ``uninstall()``; LLaVAModel's construction stand-ins (``llava_construction_stand_ins``) and Bridge's
-  Omni specs are scoped.
+  pipeline's synchronize and embedding-copy ``.cuda()``, Bridge's TE import, Mamba's kernels, the
+  weight-transfer engines' device synchronize), installed by the launcher on CPU; test scaffolding
+  only, ``cpu_shims()`` context manager or ``install()`` / ``uninstall()``; LLaVAModel's construction
+  stand-ins (``llava_construction_stand_ins``), Bridge's Omni specs and vLLM's synchronize are scoped.
 * ``releases``: other upstream releases side by side (``release_site``, ``copy_installed``,
   ``link_installed``, ``run_with_release``, ``record_sha256``); ``preloaded.run_python``: a fresh
   interpreter forked with torch imported (``fixes=[...]``: a stock one, exactly those fixes

@@ -102,6 +102,13 @@ Pipeline parallelism (PP > 1, ``mtp_overlay.testing.pipeline``):
   zeroes it and all-reduces the first stage's values into it after ``weight.data.cuda()``
   (``models/common/language_module/language_module.py:307``, in ``setup_embeddings_and_output_layer``):
   during that method ``Tensor.cuda`` leaves a tensor where it is.
+
+vLLM's weight-transfer engines (scoped, used by ``testing.vllm_worker``):
+
+* ``accelerator_synchronize_stand_in()``: ``WeightTransferEngine.update_weights`` ends with
+  ``torch.accelerator.synchronize()`` (vLLM 0.33.0 ``distributed/weight_transfer/base.py:598``,
+  0.25.1 ``:182``), which raises "Found no NVIDIA driver" on a machine without one: inside the block
+  it returns at once (host copies are done when they return), and only while no accelerator exists.
 """
 
 import builtins
@@ -1385,3 +1392,26 @@ def cpu_batch(batch):
         if value is not None and not isinstance(value, torch.Tensor):
             raise TypeError(f"batch[{key!r}] must be a tensor or None, got {type(value).__name__}")
     return {key: None if value is None else stays(value) for key, value in batch.items()}
+
+
+@contextlib.contextmanager
+def accelerator_synchronize_stand_in():
+    """Inside the block ``torch.accelerator.synchronize`` returns at once when no accelerator exists.
+
+    vLLM's ``WeightTransferEngine.update_weights`` synchronizes the device after every chunk so the
+    next step reads the new weights (0.33.0 ``distributed/weight_transfer/base.py:598``); the CUDA
+    build of torch raises there without a driver. On the host every copy into a parameter has
+    finished when it returns, so there is nothing to wait for. With an accelerator the real function
+    stays.
+    """
+    import torch
+
+    if torch.accelerator.is_available():
+        yield
+        return
+
+    def synchronize(device=None):
+        return None
+
+    with swapped([Shim(torch.accelerator, "synchronize", synchronize)]):
+        yield
