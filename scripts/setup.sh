@@ -5,9 +5,10 @@
 # .venv/.setup.log, shown when a step fails.
 # The installer is uv (pinned in scripts/constraints.txt, put into the venv by pip) with
 # --compile-bytecode, so the venv holds what pip's would, bytecode included. Measured on this 2-core
-# machine, fresh venv and empty caches: 99 s against pip's 197 s when calm, 131 s against 199 s
-# under a load of ~5; a rebuild from uv's warm cache 9 s against pip's 445 s. pip installs the stack
-# when uv cannot be had, or with MTP_OVERLAY_INSTALLER=pip. Either way the pins are
+# machine, fresh venv and empty caches: 99 s against pip's 197 s when calm (as CI runs), 131 s
+# against 199 s under a load of ~5, 471 s against 515 s under 25-40 (both then wait for the same
+# CPU: ~150 s each); a fresh venv from uv's warm cache 9 s against pip's 445 s. pip installs the
+# stack when uv cannot be had, or with MTP_OVERLAY_INSTALLER=pip. Either way the pins are
 # scripts/constraints.txt alone (uv reads neither pip.conf nor pip's constraint files; its index is
 # PyPI unless UV_INDEX_URL or a uv.toml says otherwise).
 set -euo pipefail
