@@ -93,37 +93,66 @@ def _pairs(records, count):
     return trained, computed
 
 
+def _build(layout, pattern):
+    from mtp_overlay.testing import tiny_llava
+
+    return tiny_llava.build_tiny_llava(hybrid_layer_pattern=pattern, sequence_parallel=LAYOUTS[layout]["sp"])
+
+
+def _step(model):
+    """Megatron's own step (2-output loss, gradients only) over the two microbatches of STEP_BATCHES."""
+    from mtp_overlay.testing.megatron_step import MegatronStep
+
+    microbatches = [_batch(positions, seed) for seed, positions in enumerate(STEP_BATCHES)]
+    return MegatronStep(model, optimizer=None).step(microbatches, loss="2-output", update=False)
+
+
+def _recorded_step(model, results, key):
+    """``_step`` with record_mtp: the result under ``key``, its trained and computed pairs beside it."""
+    from mtp_overlay.testing.packed import record_mtp
+
+    with record_mtp(model) as records:
+        results[key] = _step(model)
+    results[key + "/pairs"], results[key + "/computed"] = _pairs(records, len(STEP_BATCHES))
+
+
 def step_cases(layout):
     """Rank worker: Megatron's step on the tiny LLaVAModel with MTP, stock (the crash) and with the fix,
     and on the combined-ids reference with the same fixes; the trained MTP pairs of both."""
+    import functools
+
     from mtp_overlay.testing import tiny_llava
-    from mtp_overlay.testing.megatron_step import MegatronStep
-    from mtp_overlay.testing.packed import record_mtp
 
-    spec = LAYOUTS[layout]
-    microbatches = [_batch(positions, seed) for seed, positions in enumerate(STEP_BATCHES)]
-
-    def build(pattern):
-        return tiny_llava.build_tiny_llava(hybrid_layer_pattern=pattern, sequence_parallel=spec["sp"])
-
-    def step(model):
-        return MegatronStep(model, optimizer=None).step(microbatches, loss="2-output", update=False)
-
+    spec, build = LAYOUTS[layout], functools.partial(_build, layout)
     results = {}
     _use_fixes(spec["fixes"])  # stock for this fix: the layout's other fixes only
-    results["stock"] = _error(lambda: step(build(PATTERNS["mtp"])))
+    results["stock"] = _error(lambda: _step(build(PATTERNS["mtp"])))
     _use_fixes(spec["fixes"] + (LOSS_MASK, FIX))
     for name, pattern in PATTERNS.items():
         if name != "mtp" and layout != "tp1":
             continue
-        for kind in ("llava", "reference"):
-            model = build(pattern)
-            model = model if kind == "llava" else tiny_llava.CombinedIdsReference(model)
-            with record_mtp(model) as records:
-                results[f"{kind}/{name}"] = step(model)
-            results[f"{kind}/{name}/pairs"], results[f"{kind}/{name}/computed"] = _pairs(records, len(microbatches))
+        _recorded_step(build(pattern), results, f"llava/{name}")
+        _recorded_step(tiny_llava.CombinedIdsReference(build(pattern)), results, f"reference/{name}")
     results.update(rl_cases(build))
-    results["wrong fill"] = wrong_fill(build, step)
+    results["wrong fill"] = wrong_fill(build)
+    _use_fixes(())
+    return results
+
+
+def patched_cases(layout):
+    """Rank worker on a megatron-core carrying the DEP-3 patch: the step and the RL forward with the
+    layout's other fixes only, then with this fix (and mtp-loss-mask) installed too; its state."""
+    import functools
+
+    import mtp_overlay
+
+    spec, build = LAYOUTS[layout], functools.partial(_build, layout)
+    results = {}
+    for name, fixes in (("patched", spec["fixes"]), ("patched+hook", spec["fixes"] + (LOSS_MASK, FIX))):
+        _use_fixes(fixes)
+        _recorded_step(build(PATTERNS["mtp"]), results, name)
+        results[name + "/rl"] = rl_cases(build, reference=False)["rl/llava"]
+        results[name + "/state"] = mtp_overlay.status(only=[FIX])[0].state
     _use_fixes(())
     return results
 
@@ -173,7 +202,7 @@ def _rl_run(model, call):
                 pairs=trained, computed=computed, losses=[record["losses"].numpy() for record in records])
 
 
-def rl_cases(build):
+def rl_cases(build, reference=True):
     """Rank worker part: LLaVAModel forwards without labels (RL), the caller's input-aligned mask given
     (or scoped, or none at TP1), against the reference run on the oracle's combined ids and mask."""
     from mtp_overlay import mtp
@@ -194,12 +223,13 @@ def rl_cases(build):
                 return llava(**call)
         results["rl/scoped"] = _rl_run(llava, scoped)
         results["rl/no mask"] = _rl_run(llava, lambda: llava(**call))
-    reference = tiny_llava.CombinedIdsReference(build(PATTERNS["mtp"]))
-    results["rl/reference"] = _rl_run(reference, lambda: rl_reference_call(reference, batch, input_mask))
+    if reference:
+        model = tiny_llava.CombinedIdsReference(build(PATTERNS["mtp"]))
+        results["rl/reference"] = _rl_run(model, lambda: rl_reference_call(model, batch, input_mask))
     return results
 
 
-def wrong_fill(build, step):
+def wrong_fill(build):
     """Control: the fix with 0 at image slots instead of the image token (the rule of Megatron-LM main):
     the step's MTP loss; it must differ from the reference's, or the comparison could not tell."""
     from mtp_overlay.fixes.mtp_multimodal import combined
@@ -207,7 +237,7 @@ def wrong_fill(build, step):
     rule = combined.fill_id
     combined.fill_id = lambda image_token_index, vocab_size: 0
     try:
-        return step(build(PATTERNS["mtp"])).mtp_loss
+        return _step(build(PATTERNS["mtp"])).mtp_loss
     finally:
         combined.fill_id = rule
 
@@ -502,3 +532,75 @@ def test_an_unknown_shape_is_drift_naming_it(tmp_path, edits, reason):
     row = _report(_edited_copy(tmp_path, *edits))
     assert row["state"] == "drifted" and reason in row["reason"], row["reason"]
     assert all(FIX not in fixes for fixes in row["wrappers"].values())
+
+
+# ------------------------------------------------------------------ the DEP-3 source patch
+
+PATCH = ("patches", FIX, "megatron-core", "0.18-0.19.patch")
+
+
+def _patch_cli(capsys, *args):
+    import json
+
+    from mtp_overlay.cli import main
+
+    capsys.readouterr()
+    code = main(["patch", *args, "--json"])
+    return code, {row["fix"]: row for row in json.loads(capsys.readouterr().out or "[]")}
+
+
+def _patched_copy(tmp_path, version=None):
+    import subprocess
+    from pathlib import Path
+
+    site = _edited_copy(tmp_path, version=version)
+    subprocess.run(["git", "apply", "-p1", str(Path(__file__).resolve().parents[3].joinpath(*PATCH))], cwd=site,
+                   check=True)
+    return site
+
+
+@pytest.mark.parametrize("version", [MEGATRON_CORE, "0.18.2"])
+def test_patch_applies_checks_and_reverts_byte_exactly(version, tmp_path, capsys):
+    import hashlib
+
+    from mtp_overlay.patching.manifest import load
+
+    site = _edited_copy(tmp_path, version=None if version == MEGATRON_CORE else version)
+    path, where = site / LLAVA_FILE, ("--site-packages", str(site), "--only", FIX)
+    released = path.read_bytes()
+    images = load().images["megatron-core"][version][LLAVA_FILE]
+    assert hashlib.sha256(released).hexdigest() == images[frozenset()]
+    code, rows = _patch_cli(capsys, "check", *where)
+    assert code == 0 and rows[FIX]["state"] == "needed" and rows[FIX]["variant"] == PATCH[-1]
+    code, rows = _patch_cli(capsys, "apply", *where)
+    assert code == 0 and rows[FIX]["action"] == "patched"
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == images[frozenset([FIX])]
+    code, rows = _patch_cli(capsys, "revert", *where)
+    assert code == 0 and path.read_bytes() == released
+
+
+def test_the_patched_source_is_redundant_to_the_probe_and_left_unwrapped(tmp_path):
+    row = _report(_patched_copy(tmp_path))
+    assert row["state"] == "redundant" and "passes input_ids=mtp_input_ids (sliced for CP/SP" in row["reason"]
+    assert all(FIX not in fixes for fixes in row["wrappers"].values())
+
+
+@pytest.mark.slow
+def test_the_patched_source_trains_like_the_hook_and_the_hook_stands_down_on_it(tmp_path, monkeypatch):
+    """CP2 (padding and CP slicing of the ids, the RL mask built and sliced) through Megatron's step:
+    the patched megatron-core alone, and with the overlay's hook installed on it, equal the hook."""
+    hooked = steps("cp2")
+    monkeypatch.syspath_prepend(str(_patched_copy(tmp_path)))  # spawned ranks import the patched copy
+    patched = run_ranks_checked(patched_cases, 2, cp=2, fixes=[], args=("cp2",), timeout=600)
+    for rank, (hook, results) in enumerate(zip(hooked, patched, strict=True)):
+        assert results["patched+hook/state"] == "redundant" and results["patched/state"] != "installed"
+        for name in ("patched", "patched+hook"):
+            step, expected = results[name], hook["llava/mtp"]
+            assert (step.lm_loss, step.mtp_losses, step.mtp_tokens) == (expected.lm_loss, expected.mtp_losses,
+                                                                        expected.mtp_tokens), (rank, name)
+            for part in ("mtp", "lm", "encoder"):
+                numpy.testing.assert_array_equal(step.grads[part], expected.grads[part], err_msg=f"{rank} {name} {part}")
+            assert results[name + "/pairs"] == hook["llava/mtp/pairs"], (rank, name)
+            rl, expected_rl = results[name + "/rl"], hook["rl/llava"]
+            numpy.testing.assert_array_equal(rl["mask"], expected_rl["mask"], err_msg=f"{rank} {name} RL mask")
+            assert rl["pairs"] == expected_rl["pairs"] and numpy.array_equal(rl["logits"], expected_rl["logits"])
