@@ -1,6 +1,6 @@
 """mtp-multimodal: the MTP block of a LLaVAModel gets the combined-length token ids and loss mask.
 
-megatron-core 0.18-0.19 ``LLaVAModel.forward`` (``models/multimodal/llava_model.py:930``) replaces
+megatron-core 0.19.x ``LLaVAModel.forward`` (``models/multimodal/llava_model.py:930``) replaces
 each image placeholder of ``input_ids`` by the image's embeddings (``_preprocess_data``, :482), slices
 the combined sequence for CP/SP (``_process_embedding_token_parallel``, :749) and calls its language
 model with ``input_ids=None``, ``decoder_input=<combined embeddings>``, the combined ``labels`` and no
@@ -29,6 +29,8 @@ The hooks (all on ``LLaVAModel``, the language model's forward through mtp-loss-
 
 No device sync: the ids and mask are placed by scatters. A language model without MTP layers, an
 inference forward reusing the KV cache, and a call that carries its own ids or mask pass untouched.
+megatron-core 0.18.x has the same ``llava_model.py``, but its MTP ``roll_tensor`` refuses the
+``position_ids=None`` LLaVAModel passes: the probe calls it on None and reports drift there.
 """
 
 from ...calls import argument, original, positions
@@ -100,6 +102,17 @@ def read_forward(forward: "Callable[..., Any]") -> "tuple[dict[str, str], set[st
     return call, sliced
 
 
+def rolls_none() -> bool:
+    """Whether megatron-core's MTP ``roll_tensor`` takes a None tensor (``(None, None)``), as the
+    ``position_ids=None`` of ``LLaVAModel.forward`` needs: called, on a None only (no device)."""
+    from megatron.core.transformer import multi_token_prediction
+
+    try:
+        return multi_token_prediction.roll_tensor(None, shifts=-1, dims=-1) == (None, None)
+    except (TypeError, AttributeError):
+        return False
+
+
 def _dict_items(tree: "Any", name: str) -> "dict[str, str]":
     """key -> value source of the dict ``name`` built in ``tree``: ``name = {...}`` literals and
     ``name["key"] = value`` assignments."""
@@ -150,6 +163,10 @@ class MultimodalFix(Fix):
             return drifted(f"{MODEL}.forward passes input_ids={ids} and loss_mask={call['loss_mask']} to its language "
                            f"model, but {SLICING_CALL} does not slice {ids} with the embeddings (under CP/SP they would "
                            "not line up): a partial upstream fix whose shape the hook does not fit")
+        if not rolls_none():
+            return drifted("MTP's roll_tensor (transformer/multi_token_prediction.py) refuses None, so the "
+                           f"position_ids=None that {MODEL}.forward passes crashes MTP with the ids given too "
+                           "(megatron-core accepts it from 0.19.0): the hook's ids alone would not make MTP run")
         for name, expected in PARAMETERS.items():
             method = methods[name]
             if method is None:

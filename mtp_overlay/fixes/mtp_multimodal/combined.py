@@ -1,6 +1,6 @@
 """The combined (text + image) layout of a LLaVA batch for the MTP block: token ids and loss mask.
 
-``LLaVAModel._preprocess_data`` (megatron-core 0.18-0.19 ``models/multimodal/llava_model.py:482``)
+``LLaVAModel._preprocess_data`` (megatron-core 0.19.x ``models/multimodal/llava_model.py:482``)
 puts each text token's embedding at slot ``cumsum(width) - 1`` of its sample, where a text token is
 one slot wide and an image placeholder as wide as its image's embeddings (``tiles x img_seq_len``,
 :586-595); it pads shorter samples at the end and cuts the row at the language model's maximum

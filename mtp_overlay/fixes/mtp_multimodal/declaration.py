@@ -9,7 +9,8 @@ DECLARATION = Declaration(
     "`input_ids=None` and no loss mask, so the MTP block has no ids to embed (and would train on image slots)",
     distribution="megatron-core",
     targets={"llava": "megatron.core.models.multimodal.llava_model"},  # LLaVAModel
-    families={"0.18-0.19": ">=0.18.0,<0.20"},  # one llava_model.py from 0.18.0 to 0.19.2
+    # one llava_model.py from 0.18.0 to 0.19.2, but before 0.19 MTP cannot roll LLaVA's position_ids=None
+    families={"0.19": ">=0.19.0,<0.20"},
     provenance=Provenance(
         origin="NeMo-RL (Nemotron Omni GRPO with MTP, PR #3494); Megatron-Bridge 0.6.2 builds Omni/VL as LLaVAModel",
         upstream_fix="Megatron-LM PR #6010 (the loss mask) and #6260 (combined input_ids), on main only; main "

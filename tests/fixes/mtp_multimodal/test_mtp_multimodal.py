@@ -436,6 +436,7 @@ def test_combined_layout_waits_for_no_device_value(monkeypatch):
 # ------------------------------------------------------------------ probe, requirement, wrappers (fresh interpreters)
 
 LLAVA_FILE = "megatron/core/models/multimodal/llava_model.py"
+MTP_FILE = "megatron/core/transformer/multi_token_prediction.py"
 REPORT = """
 import json, warnings
 warnings.simplefilter("ignore")
@@ -465,13 +466,15 @@ def _report(site="", **env):
     return run_json(str(site), REPORT, env={**os.environ, **env})
 
 
-def _edited_copy(tmp_path, *edits, version=None):
-    """A private megatron-core (the venv's, or ``version`` side by side) whose llava_model.py has ``edits``."""
+def _edited_copy(tmp_path, *edits, version=None, file=None):
+    """A private megatron-core (the venv's, or ``version`` side by side) whose ``file`` (default:
+    llava_model.py) has ``edits``."""
     from mtp_overlay.testing.releases import link_installed, release_site
 
+    file = file or LLAVA_FILE
     site = link_installed("megatron-core", tmp_path / "site", site=version and release_site("megatron-core", version),
-                          copies=[LLAVA_FILE])
-    path = site / LLAVA_FILE
+                          copies=[file])
+    path = site / file
     source = path.read_text()
     for old, new in edits:
         assert source.count(old) == 1, old
@@ -501,12 +504,21 @@ def test_without_mtp_loss_mask_the_fix_refuses_to_install():
 
 
 def test_where_mtp_loss_mask_drifted_the_fix_fails_naming_it(tmp_path):
-    """megatron-core 0.18.2 has 0.19.2's LLaVAModel, but mtp-loss-mask drifts there (no RL MTP loss):
-    its forward hook, which hands the combined inputs on, is missing, so this fix says failed, why."""
-    row = _report(_edited_copy(tmp_path, version="0.18.2"))
-    assert row["version"] == "0.18.2" and row["loss_mask"][0] == "drifted"
+    """Its forward hook hands the combined inputs on: where mtp-loss-mask drifts (here: a
+    process_mtp_loss that cannot derive RL labels, as before 0.19), this fix says failed, and why."""
+    edit = ("    input_ids: Optional[Tensor] = None,\n) -> Tensor:", "    token_ids: Optional[Tensor] = None,\n) -> Tensor:")
+    row = _report(_edited_copy(tmp_path, edit, file=MTP_FILE))
+    assert row["loss_mask"][0] == "drifted"
     assert row["state"] == "failed" and f"fix '{LOSS_MASK}', whose GPTModel/HybridModel.forward hook" in row["reason"]
     assert "is drifted" in row["reason"]
+    assert all(FIX not in fixes for fixes in row["wrappers"].values())
+
+
+def test_megatron_core_0_18_is_drift_its_mtp_cannot_roll_llavas_position_ids(tmp_path):
+    """0.18.2 has 0.19.2's LLaVAModel, but its MTP ``roll_tensor`` refuses the ``position_ids=None``
+    LLaVAModel passes (the stock crash there is in that roll): ids alone would not make MTP run."""
+    row = _report(_edited_copy(tmp_path, version="0.18.2"))
+    assert row["version"] == "0.18.2" and row["state"] == "drifted" and "roll_tensor" in row["reason"], row["reason"]
     assert all(FIX not in fixes for fixes in row["wrappers"].values())
 
 
@@ -536,7 +548,7 @@ def test_an_unknown_shape_is_drift_naming_it(tmp_path, edits, reason):
 
 # ------------------------------------------------------------------ the DEP-3 source patch
 
-PATCH = ("patches", FIX, "megatron-core", "0.18-0.19.patch")
+PATCH = ("patches", FIX, "megatron-core", "0.19.patch")
 
 
 def _patch_cli(capsys, *args):
@@ -559,7 +571,7 @@ def _patched_copy(tmp_path, version=None):
     return site
 
 
-@pytest.mark.parametrize("version", [MEGATRON_CORE, "0.18.2"])
+@pytest.mark.parametrize("version", [MEGATRON_CORE, "0.19.0"])
 def test_patch_applies_checks_and_reverts_byte_exactly(version, tmp_path, capsys):
     import hashlib
 
