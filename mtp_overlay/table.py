@@ -11,6 +11,7 @@ FIXES = (
     )),
     ("mtp-multimodal", (
         "megatron.core.models.multimodal.llava_model",
+        "megatron.core.models.mimo.model.base",
     )),
     ("mtp-packed-roll", (
         "megatron.core.transformer.multi_token_prediction",

@@ -135,6 +135,10 @@ def step_cases(layout):
         _recorded_step(tiny_llava.CombinedIdsReference(build(pattern)), results, f"reference/{name}")
     results.update(rl_cases(build))
     results["wrong fill"] = wrong_fill(build)
+    import mtp_overlay
+
+    mtp_overlay.uninstall(only=[LOSS_MASK])  # its forward hook gone, this fix still installed
+    results["without the loss-mask hook"] = _error(lambda: _step(build(PATTERNS["mtp"])))
     _use_fixes(())
     return results
 
@@ -232,14 +236,14 @@ def rl_cases(build, reference=True):
 def wrong_fill(build):
     """Control: the fix with 0 at image slots instead of the image token (the rule of Megatron-LM main):
     the step's MTP loss; it must differ from the reference's, or the comparison could not tell."""
-    from mtp_overlay.fixes.mtp_multimodal import combined
+    from mtp_overlay.fixes.mtp_multimodal import llava
 
-    rule = combined.fill_id
-    combined.fill_id = lambda image_token_index, vocab_size: 0
+    rule = llava.fill_id
+    llava.fill_id = lambda image_token_index, vocab_size: 0
     try:
         return _step(build(PATTERNS["mtp"])).mtp_loss
     finally:
-        combined.fill_id = rule
+        llava.fill_id = rule
 
 
 _runs = {}
@@ -281,6 +285,9 @@ def test_stock_crashes_the_fix_trains_exactly_the_combined_masks_positions(layou
                 if LAYOUTS[layout]["tp"] == 1 else  # TP>1: VocabParallelEmbedding compares the ids first (layers.py:338)
                 "TypeError: '<' not supported between instances of 'NoneType' and 'int'")
     assert [results["stock"] for results in ranks] == [expected] * len(ranks)
+    for results in ranks:  # the fix without the hook that hands its inputs on: a clear refusal instead
+        assert results["without the loss-mask hook"].startswith(f"RuntimeError: fix '{FIX}' builds the combined")
+        assert f"fix '{LOSS_MASK}', whose GPTModel/HybridModel.forward hook" in results["without the loss-mask hook"]
     layouts = [_oracle(positions, seed) for seed, positions in enumerate(STEP_BATCHES)]
     for name in PATTERNS if layout == "tp1" else ["mtp"]:
         trained, computed = _union(ranks, f"llava/{name}/pairs"), _union(ranks, f"llava/{name}/computed")
@@ -352,6 +359,101 @@ def test_rl_forward_trains_the_callers_positions_and_returns_the_combined_mask(l
         assert llava_oracle.unlabelled_image_targets(oracle, unmasked, 1) == set()
 
 
+# ------------------------------------------------------------------ MimoModel (ids already combined, one slot per embedding)
+
+MIMO_IMAGES = [[3], [6, 7]]  # image-token slots per sample (no encoder: their embeddings are zeros)
+MIMO_LAYOUTS = {"tp1": dict(world_size=1, cp=1, fixes=()), "cp2": dict(world_size=2, cp=2, fixes=(CP_LOSS_SCALE,))}
+
+
+def _mimo_oracle(labelled):
+    """(batch, oracle layout): MimoModel's combined layout is its input layout; image slots are IMAGE,
+    their mask 0, and (with labels) so is every slot whose label is the image token."""
+    batch = _batch(MIMO_IMAGES, seed=5)
+    ids, labels = batch["input_ids"], batch["labels"]
+    image = ids == IMAGE_TOKEN
+    kinds = torch.where(image, llava_oracle.IMAGE, llava_oracle.TEXT)
+    mask = batch["loss_mask"].masked_fill(image | (labels == IMAGE_TOKEN) if labelled else image, 0)
+    layout = llava_oracle.CombinedLayout(ids, kinds, labels if labelled else None, mask,
+                                         torch.full_like(ids, -1), (ids.shape[1],) * ids.shape[0])
+    return batch, layout
+
+
+def mimo_cases():
+    """Rank worker: MimoModel forwards (with labels, and without: RL) with MTP, stock and with the fix,
+    against its language model run directly on the same embeddings with the oracle's ids and mask."""
+    from megatron.core import parallel_state
+
+    from mtp_overlay.testing import tiny_llava
+
+    cp, rank = parallel_state.get_context_parallel_world_size(), parallel_state.get_context_parallel_rank()
+    spec = MIMO_LAYOUTS["cp2" if cp > 1 else "tp1"]
+
+    def build():
+        return tiny_llava.build_tiny_mimo(special_token_ids={"images": IMAGE_TOKEN})
+
+    def local(tensor):
+        return llava_oracle.shard(tensor, tp=1, cp=cp, sequence_parallel=False, cp_rank=rank, pad_value=0)
+
+    def reference_call(model, batch, labels, mask):
+        ids = batch["input_ids"]
+        text = model.get_text_embeddings(ids, batch["position_ids"], model.special_token_ids)
+        embeddings = model.align_embeddings_by_token_positions({"text": text}, ids, model.special_token_ids)
+        embeddings = local(embeddings.transpose(0, 1)).transpose(0, 1).contiguous()
+        output = model.language_model(input_ids=local(ids), position_ids=batch["position_ids"], attention_mask=None,
+                                      decoder_input=embeddings, labels=None if labels is None else local(labels),
+                                      loss_mask=local(mask))
+        return output, local(mask)
+
+    results = {}
+    for labelled in (True, False):
+        batch, oracle = _mimo_oracle(labelled)
+        labels = batch["labels"] if labelled else None
+        call = dict(input_ids=batch["input_ids"], position_ids=batch["position_ids"], attention_mask=None,
+                    labels=labels, loss_mask=batch["loss_mask"])
+        kind = "sft" if labelled else "rl"
+        _use_fixes(spec["fixes"])
+        model = build()
+        results[f"{kind}/stock"] = _error(lambda: model(**call))
+        _use_fixes(spec["fixes"] + (LOSS_MASK, FIX))
+        model = build()
+        results[f"{kind}/fixed"] = _rl_run(model, lambda: model(**call))
+        model = build()
+        results[f"{kind}/reference"] = _rl_run(model, lambda: reference_call(model, batch, labels, oracle.loss_mask))
+    _use_fixes(())
+    return results
+
+
+_mimo_runs = {}
+
+
+def mimo_steps(layout):
+    if layout not in _mimo_runs:
+        spec = MIMO_LAYOUTS[layout]
+        _mimo_runs[layout] = run_ranks_checked(mimo_cases, spec["world_size"], cp=spec["cp"], fixes=[], timeout=600)
+    return _mimo_runs[layout]
+
+
+@pytest.mark.parametrize("layout", ["tp1", pytest.param("cp2", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("kind", ["sft", "rl"])
+def test_mimo_stock_crashes_the_fix_trains_the_text_targets_and_equals_the_direct_call(layout, kind):
+    ranks = mimo_steps(layout)
+    _, oracle = _mimo_oracle(kind == "sft")
+    if kind == "sft":
+        expected = llava_oracle.mtp_pairs(oracle, 1)
+        assert expected and llava_oracle.image_targets(oracle, expected, 1) == set()
+    else:
+        expected = llava_oracle.unlabelled_mtp_pairs(oracle, oracle.loss_mask, 1)
+        assert expected and llava_oracle.unlabelled_image_targets(oracle, expected, 1) == set()
+    assert _union([results[f"{kind}/fixed"] for results in ranks], "pairs") == {(0, 1): expected}
+    for rank, results in enumerate(ranks):
+        assert results[f"{kind}/stock"] == "TypeError: embedding(): argument 'indices' (position 2) must be Tensor, not NoneType"
+        fixed, reference = results[f"{kind}/fixed"], results[f"{kind}/reference"]
+        assert fixed["pairs"] == reference["pairs"] and fixed["grads"].keys() == reference["grads"].keys()
+        assert numpy.abs(fixed["logits"] - reference["logits"]).max() <= TOLERANCE, (layout, kind, rank)
+        for name, grad in reference["grads"].items():
+            assert relative_error(fixed["grads"][name], grad) <= TOLERANCE, (layout, kind, rank, name)
+
+
 def test_the_reproducer_shows_the_stock_crash():
     shows, evidence = reproduce(FIX)
     assert shows, evidence
@@ -398,8 +500,7 @@ def test_combined_layout_waits_for_no_device_value(monkeypatch):
     ``.item()``, ``.tolist()``, ``bool()``, ``.nonzero()`` and no boolean-mask indexing on the way."""
     import types
 
-    from mtp_overlay.fixes import mtp_multimodal
-    from mtp_overlay.fixes.mtp_multimodal import scope
+    from mtp_overlay.fixes.mtp_multimodal import llava, scope
 
     def refuse(*args, **kwargs):
         raise AssertionError("a host read of a tensor value (a device sync)")
@@ -424,8 +525,8 @@ def test_combined_layout_waits_for_no_device_value(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "__getitem__", indexed)
     state = scope.Combined(None)
     embeddings = torch.zeros(22, 2, 8)  # [S, b, h]: the combined length, 2 samples, as _preprocess_data returns it
-    mtp_multimodal.build(model, state, (embeddings, None, None), arguments.get)
-    mtp_multimodal.shard(mtp_multimodal, model, state, None)
+    llava.build(model, state, (embeddings, None, None), arguments.get)
+    llava.shard(llava, model, state, None)
     monkeypatch.undo()
     oracle = _oracle([[2, 9], []])
     numpy.testing.assert_array_equal(state.ids.numpy(), llava_oracle.shard(oracle.ids, pad_value=IMAGE_TOKEN, tp=2, cp=1,
@@ -443,21 +544,35 @@ warnings.simplefilter("ignore")
 import mtp_overlay
 from mtp_overlay import registry
 import megatron.core.models.multimodal.llava_model as llava
+import megatron.core.models.mimo.model.base as mimo
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.models.hybrid.hybrid_model import HybridModel
 rows = {row.name: row for row in mtp_overlay.status(only=[%r, %r])}
+try:
+    registry.get(%r).check_loss_mask_hook()  # what each multimodal forward with MTP asks first
+    check = None
+except RuntimeError as exc:
+    check = str(exc)
 def wrapping(owner, attribute):  # the fixes whose wrapper sits on owner.attribute
     return sorted(name for name in registry.names() if (owner, attribute) in registry.lifecycle(name).wrapped())
 targets = {"LLaVAModel." + name: (llava.LLaVAModel, name)
            for name in ("forward", "_preprocess_data", "_process_embedding_token_parallel")}
+targets.update({"MimoModel." + name: (mimo.MimoModel, name) for name in ("forward", "_shard_language_inputs")})
 targets.update({"GPTModel.forward": (GPTModel, "forward"), "HybridModel.forward": (HybridModel, "forward")})
 print(json.dumps({
     "state": rows[%r].state, "reason": rows[%r].reason, "version": rows[%r].version,
-    "loss_mask": [rows[%r].state, rows[%r].reason],
+    "loss_mask": [rows[%r].state, rows[%r].reason], "check": check,
+    "by_target": {module: list(found) for module, found in registry.lifecycle(%r)._target_states.items()},
     "wrappers": {key: wrapping(*value) for key, value in targets.items()},
 }))
-""" % ((FIX, LOSS_MASK) + (FIX,) * 3 + (LOSS_MASK,) * 2)
-LLAVA_WRAPPED = ["LLaVAModel._preprocess_data", "LLaVAModel._process_embedding_token_parallel", "LLaVAModel.forward"]
+""" % ((FIX, LOSS_MASK, FIX) + (FIX,) * 3 + (LOSS_MASK,) * 2 + (FIX,))
+WRAPPED = ["LLaVAModel._preprocess_data", "LLaVAModel._process_embedding_token_parallel", "LLaVAModel.forward",
+           "MimoModel._shard_language_inputs", "MimoModel.forward"]
+
+
+def _wrapped(row):
+    """The attributes this fix's wrappers sit on, per the report."""
+    return sorted(key for key, fixes in row["wrappers"].items() if FIX in fixes)
 
 
 def _report(site="", **env):
@@ -485,10 +600,11 @@ def _edited_copy(tmp_path, *edits, version=None, file=None):
 
 def test_stock_needs_the_fix_its_wrappers_sit_on_llava_and_the_language_model_keeps_one():
     row = _report()
-    assert row["version"] == MEGATRON_CORE and row["state"] == "installed", row["reason"]
-    assert "calls its language model without input_ids and loss_mask" in row["reason"]
+    assert row["version"] == MEGATRON_CORE and row["state"] == "installed" and row["check"] is None, row["reason"]
+    assert "LLaVAModel.forward calls its language model without input_ids and loss_mask" in row["reason"]
+    assert "MimoModel calls its language model without input_ids and loss_mask (3 of its 3 calls" in row["reason"]
     wrappers = row["wrappers"]
-    assert sorted(key for key, fixes in wrappers.items() if FIX in fixes) == LLAVA_WRAPPED
+    assert _wrapped(row) == WRAPPED
     # one wrapper, two reasons: the language model's forward carries mtp-loss-mask's alone, which
     # hands on this fix's combined inputs (the declaration requires it)
     assert wrappers["GPTModel.forward"] == wrappers["HybridModel.forward"] == [LOSS_MASK]
@@ -503,15 +619,15 @@ def test_without_mtp_loss_mask_the_fix_refuses_to_install():
     assert all(FIX not in fixes for fixes in row["wrappers"].values())
 
 
-def test_where_mtp_loss_mask_drifted_the_fix_fails_naming_it(tmp_path):
+def test_where_mtp_loss_mask_drifted_a_multimodal_mtp_forward_refuses_naming_it(tmp_path):
     """Its forward hook hands the combined inputs on: where mtp-loss-mask drifts (here: a
-    process_mtp_loss that cannot derive RL labels, as before 0.19), this fix says failed, and why."""
+    process_mtp_loss that cannot derive RL labels, as before 0.19), each multimodal forward with MTP
+    raises, saying why (the step cases show the same on a real forward)."""
     edit = ("    input_ids: Optional[Tensor] = None,\n) -> Tensor:", "    token_ids: Optional[Tensor] = None,\n) -> Tensor:")
     row = _report(_edited_copy(tmp_path, edit, file=MTP_FILE))
-    assert row["loss_mask"][0] == "drifted"
-    assert row["state"] == "failed" and f"fix '{LOSS_MASK}', whose GPTModel/HybridModel.forward hook" in row["reason"]
-    assert "is drifted" in row["reason"]
-    assert all(FIX not in fixes for fixes in row["wrappers"].values())
+    assert row["loss_mask"][0] == "drifted" and row["state"] == "installed"
+    assert f"fix '{LOSS_MASK}', whose GPTModel/HybridModel.forward hook hands them" in row["check"]
+    assert "is drifted" in row["check"]
 
 
 def test_megatron_core_0_18_is_drift_its_mtp_cannot_roll_llavas_position_ids(tmp_path):
@@ -519,7 +635,7 @@ def test_megatron_core_0_18_is_drift_its_mtp_cannot_roll_llavas_position_ids(tmp
     LLaVAModel passes (the stock crash there is in that roll): ids alone would not make MTP run."""
     row = _report(_edited_copy(tmp_path, version="0.18.2"))
     assert row["version"] == "0.18.2" and row["state"] == "drifted" and "roll_tensor" in row["reason"], row["reason"]
-    assert all(FIX not in fixes for fixes in row["wrappers"].values())
+    assert not any(key.startswith("LLaVAModel.") for key in _wrapped(row))
 
 
 LANGUAGE_MODEL_CALL = "        output = self.language_model(\n            input_ids=None,\n"
@@ -543,7 +659,7 @@ LANGUAGE_MODEL_CALL = "        output = self.language_model(\n            input_
 def test_an_unknown_shape_is_drift_naming_it(tmp_path, edits, reason):
     row = _report(_edited_copy(tmp_path, *edits))
     assert row["state"] == "drifted" and reason in row["reason"], row["reason"]
-    assert all(FIX not in fixes for fixes in row["wrappers"].values())
+    assert _wrapped(row) == WRAPPED[3:]  # LLaVAModel left alone, MimoModel still fixed
 
 
 # ------------------------------------------------------------------ the DEP-3 source patch
@@ -593,8 +709,9 @@ def test_patch_applies_checks_and_reverts_byte_exactly(version, tmp_path, capsys
 
 def test_the_patched_source_is_redundant_to_the_probe_and_left_unwrapped(tmp_path):
     row = _report(_patched_copy(tmp_path))
-    assert row["state"] == "redundant" and "passes input_ids=mtp_input_ids (sliced for CP/SP" in row["reason"]
-    assert all(FIX not in fixes for fixes in row["wrappers"].values())
+    state, reason = row["by_target"]["megatron.core.models.multimodal.llava_model"]
+    assert state == "redundant" and "LLaVAModel.forward passes input_ids=mtp_input_ids (sliced for CP/SP" in reason
+    assert _wrapped(row) == WRAPPED[3:]  # LLaVAModel left to its patched source, MimoModel still fixed
 
 
 @pytest.mark.slow
