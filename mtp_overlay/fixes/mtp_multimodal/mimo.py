@@ -85,9 +85,9 @@ def wrappers(module: "ModuleType", check: "Callable[[], None]") -> "Iterator[tup
         if not getattr(language_model, "mtp_process", False):
             return wrapped(*args, **kwargs)
         check()
+        inputs = [argument(args, kwargs, forward_at.get(name), name, None) for name in ("input_ids", "labels", "loss_mask")]
         with opened(instance, language_model) as combined:
-            read = lambda name: argument(args, kwargs, forward_at.get(name), name, None)  # noqa: E731
-            build(instance, language_model, combined, read("input_ids"), read("labels"), read("loss_mask"))
+            build(instance, language_model, combined, *inputs)
             return wrapped(*args, **kwargs)
 
     def shard_language_inputs(wrapped: "Callable[..., Any]", instance: "Any", args: "tuple[Any, ...]",
