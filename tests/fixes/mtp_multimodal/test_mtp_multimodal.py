@@ -21,6 +21,7 @@ import torch
 from pins import MEGATRON_CORE
 
 from mtp_overlay.testing import llava_oracle
+from mtp_overlay.testing.bridge import BRIDGE_MISSING, bridge_installed
 from mtp_overlay.testing.launcher import run_ranks_checked
 from mtp_overlay.testing.megatron_step import relative_error
 from mtp_overlay.testing.reproducers import reproduce
@@ -452,6 +453,41 @@ def test_mimo_stock_crashes_the_fix_trains_the_text_targets_and_equals_the_direc
         assert numpy.abs(fixed["logits"] - reference["logits"]).max() <= TOLERANCE, (layout, kind, rank)
         for name, grad in reference["grads"].items():
             assert relative_error(fixed["grads"][name], grad) <= TOLERANCE, (layout, kind, rank, name)
+
+
+def omni_case():
+    """Rank worker (TP1): Megatron-Bridge 0.6.2's Nemotron Omni provider's model (NemotronOmniModel around
+    LLaVAModel, RADIO ViT, HybridModel with MTP), a text-only batch with labels: stock, then with the fix."""
+    from mtp_overlay.testing import tiny_llava
+
+    batch = _batch([[], []])
+    for key in ("input_ids", "labels"):  # the sound token stays out of the text (tiny_llava.build_bridge_omni)
+        batch[key][batch[key] == tiny_llava.OMNI_SOUND_TOKEN_INDEX] = 1
+    call = dict(images=torch.zeros(0, 3, 16, 16), input_ids=batch["input_ids"], position_ids=batch["position_ids"],
+                attention_mask=None, labels=batch["labels"], loss_mask=batch["loss_mask"])
+    results = {}
+    for name, fixes in (("stock", ()), ("fixed", (LOSS_MASK, FIX))):
+        _use_fixes(fixes)
+        model = tiny_llava.build_bridge_omni(mtp_hybrid_override_pattern="*-")
+        try:
+            results[name] = _rl_run(model.llava_model, lambda model=model: model(**call))["pairs"]
+        except Exception as exc:  # noqa: BLE001 - the stock failure is the result
+            results[name] = f"{type(exc).__name__}: {exc}"
+    _use_fixes(())
+    return results
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not bridge_installed(), reason=BRIDGE_MISSING)
+def test_bridge_nemotron_omni_model_crashes_on_stock_and_trains_the_masks_positions_with_the_fix():
+    results = run_ranks_checked(omni_case, 1, fixes=[], timeout=900)[0]
+    assert results["stock"] == "TypeError: embedding(): argument 'indices' (position 2) must be Tensor, not NoneType"
+    batch = _batch([[], []])
+    for key in ("input_ids", "labels"):
+        batch[key][batch[key] == 126] = 1  # tiny_llava.OMNI_SOUND_TOKEN_INDEX
+    oracle = llava_oracle.combine(batch["input_ids"], image_token_index=IMAGE_TOKEN, tokens_per_image=TOKENS_PER_TILE,
+                                  labels=batch["labels"], loss_mask=batch["loss_mask"], fill_id=IMAGE_TOKEN)
+    assert results["fixed"] == {(0, 1): llava_oracle.mtp_pairs(oracle, 1)}
 
 
 def test_the_reproducer_shows_the_stock_crash():
