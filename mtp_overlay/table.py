@@ -9,6 +9,10 @@ FIXES = (
         "megatron.core.models.gpt.gpt_model",
         "megatron.core.models.hybrid.hybrid_model",
     )),
+    ("mtp-multimodal", (
+        "megatron.core.models.multimodal.llava_model",
+        "megatron.core.models.mimo.model.base",
+    )),
     ("mtp-packed-roll", (
         "megatron.core.transformer.multi_token_prediction",
     )),
@@ -43,4 +47,6 @@ FIXES = (
         "vllm.model_executor.model_loader.reload.inplace",
     )),
 )
-REQUIRES: "dict[str, tuple[str, ...]]" = {}
+REQUIRES: "dict[str, tuple[str, ...]]" = {
+    "mtp-multimodal": ("mtp-loss-mask",),
+}

@@ -93,11 +93,18 @@ LOSSES = {  # MegatronStep.step arguments of the per-token loss modes
 }
 
 
+# modules of multimodal wrappers around a language model (LLaVAModel, MimoModel): no parity model is one
+MULTIMODAL_WRAPPERS = ("megatron.core.models.multimodal.", "megatron.core.models.mimo.")
+
+
 def megatron_core_fixes():
-    """The overlay's megatron-core fixes (every fix whose targets are megatron-core modules)."""
+    """The overlay's megatron-core fixes of the language model's path: every fix whose targets are
+    megatron-core modules, but those that target multimodal wrappers only (mtp-multimodal), which
+    change nothing for the parity models (tests/fixes/mtp_multimodal/ measures that fix)."""
     from .. import registry
 
-    return tuple(name for name, targets in registry.FIXES if all(t.startswith("megatron.core") for t in targets))
+    return tuple(name for name, targets in registry.FIXES if all(t.startswith("megatron.core") for t in targets)
+                 and not all(t.startswith(MULTIMODAL_WRAPPERS) for t in targets))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -136,10 +136,14 @@ def language_config(hybrid_layer_pattern, *, hidden_size=64, num_attention_heads
 
 
 def build_tiny_mimo(*, seed=1234, hybrid_layer_pattern="*-*-/*-", vocab_size=128, max_sequence_length=64,
-                    **config_overrides):
+                    special_token_ids=None, **config_overrides):
     """megatron-core's ``MimoModel`` (``models/mimo/model/base.py``) around the same HybridModel, no
     modality encoders: its forward still hands the language model ``input_ids=None`` with the combined
-    ``decoder_input`` (``base.py:845-853``), so MTP meets the same missing ids."""
+    ``decoder_input`` (``base.py:845-853``), so MTP meets the same missing ids.
+
+    ``special_token_ids``: modality name -> token id (MimoModelConfig's); without an encoder for it,
+    its slots hold zero embeddings (``align_embeddings_by_token_positions`` places the text around
+    them): the combined layout of a batch with that modality, its embeddings aside."""
     import torch
     from megatron.core.models.hybrid.hybrid_model import HybridModel
     from megatron.core.models.mimo import MimoModel, MimoModelConfig
@@ -154,7 +158,8 @@ def build_tiny_mimo(*, seed=1234, hybrid_layer_pattern="*-*-/*-", vocab_size=128
         position_embedding_type="rope",
     ))
     torch.manual_seed(seed)
-    model = MimoModel(MimoModelConfig(language_model_spec=language, modality_submodules_spec={}, special_token_ids={}))
+    model = MimoModel(MimoModelConfig(language_model_spec=language, modality_submodules_spec={},
+                                      special_token_ids=dict(special_token_ids or {})))
     model.model_type = ModelType.encoder_or_decoder
     return model.to(_device())
 
