@@ -1,0 +1,300 @@
+"""``mtp_overlay.verify``: prove on a CPU that *your* config and layout train the MTP head on the right
+tokens with the right weight, stock and with the overlay.
+
+The user's model (a Hugging Face config, or a Megatron-Bridge provider / recipe by module path) is
+shrunk to CPU size keeping its shape (`shrink`), a sample of their data's lengths and prompt lengths
+is shrunk alike and given distinct token ids (`data`), and the test bed's engine
+(``mtp_overlay.testing.verify``, run as a child process: `engine`) builds it with Megatron-Bridge's
+provider on gloo ranks and runs Megatron's own training step: each sequence alone, unpacked, at TP1
+(the numeric reference), then the asked layout and packing stock, with the overlay's megatron-core
+fixes, and with all of them but one, in turn. The judge (`report`) holds every step to the numbers of
+the reference and to the positions of the oracle (`oracle`: which (position, target) pairs each MTP
+depth may train, from the tokens and the mask alone), names the fixes the config needs with the
+case that shows why, and marks a difference the overlay leaves as a possible new defect with the
+smallest layout that still shows it (the engine reruns the overlay on each smaller layout).
+
+Not run, and said so in the report: pipeline stages (the test bed builds stages of the models it
+builds itself, not yet of a provider's) and layouts above ``max_ranks`` processes (the largest smaller
+layout that fits runs instead). Data-parallel ranks get the same microbatch.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from . import data as _data
+from . import inputs
+from . import report as _report
+from .layout import Layout
+from .report import Report
+from .shrink import shrink
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from .engine import Engine
+
+__all__ = ["PACKINGS", "LOSSES", "MASKS", "Layout", "Report", "verify"]
+
+PACKINGS = ("none", "thd-padded", "thd-real-lengths")
+LOSSES = ("per-token", "2-output", "3-output")
+MASKS = ("passed", "scoped")  # the trainer passes the MTP mask as loss_mask, or scopes it (mtp.loss_mask_scope)
+MAX_RANKS = 8
+SEED = 1234
+
+
+def verify(
+    hf_config: str | os.PathLike[str] | None = None,
+    *,
+    provider: str | None = None,
+    tp: int = 1,
+    cp: int = 1,
+    ep: int = 1,
+    etp: int | None = None,
+    pp: int = 1,
+    sp: bool = False,
+    world_size: int | None = None,
+    packing: str = "thd-padded",
+    loss: str = "per-token",
+    forward: str = "rl",
+    mtp_mask: str = "passed",
+    mtp_num_layers: int | None = None,
+    repeated_layer: bool | None = None,
+    scatter_embedding: bool | None = None,
+    layers: str = "auto",
+    data: str | os.PathLike[str] | None = None,
+    pad_multiple: int | None = None,
+    tolerance: float = _report.TOLERANCE,
+    max_ranks: int = MAX_RANKS,
+    search: bool = True,
+    log: str | None = None,
+    progress: Callable[[str], None] | None = None,
+    engine: Engine | None = None,
+) -> Report:
+    """Verify one config on one layout; the `Report` (``report.ok``, ``report.exit_code``, ``.text()``).
+
+    hf_config: a folder holding ``config.json``, or the file; provider: ``MODULE:NAME`` or
+    ``FILE.py:NAME`` (a provider, its class, or a function returning one or a recipe's
+    ``ConfigContainer``); exactly one of the two. tp, cp, ep, etp, pp, sp, world_size: the layout
+    (`Layout`). packing: one of PACKINGS ("thd-padded": NeMo-RL's default, ``cu_seqlens_q`` padded;
+    "thd-real-lengths": real lengths in ``cu_seqlens_q``, the self-slicing path). loss: one of LOSSES
+    ("per-token": ``calculate_per_token_loss``). forward: "rl" (no labels) or "sft". mtp_mask: one of
+    MASKS. mtp_num_layers, repeated_layer, scatter_embedding: overrides of the config's MTP depth, repeated
+    MTP layer and ``scatter_embedding_sequence_parallel``. layers: "auto", "all" or "runs" (`shrink`).
+    data: a JSONL sample of ``{"tokens": N, "prompt": P}`` lines (`data`). pad_multiple: the packer's
+    per-sequence padding (default NeMo-RL's: 2·CP·TP under CP, TP under SP). tolerance: the largest
+    relative error that counts as equal. max_ranks: the most processes to start. search: rerun the
+    overlay on smaller layouts when it differs. log: the ranks' output. progress: called with each
+    progress line (default: stderr). engine: what runs the test bed (default: `engine.ChildEngine`).
+
+    Raises ValueError naming the argument for bad input and for a config the test bed cannot build;
+    RuntimeError when the engine cannot run at all.
+    """
+    from .oracle import FORWARDS
+
+    started = time.perf_counter()
+    for name, value, allowed in (("--packing", packing, PACKINGS), ("--loss", loss, LOSSES),
+                                 ("--forward", forward, FORWARDS), ("--mtp-mask", mtp_mask, MASKS)):
+        if value not in allowed:
+            raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
+    if mtp_mask == "scoped" and forward != "rl":
+        raise ValueError("--mtp-mask scoped needs --forward rl: a mask is scoped for the RL forward only")
+    if not (isinstance(tolerance, float) and 0 < tolerance < 1):
+        raise ValueError(f"--tolerance must be a number in (0, 1), got {tolerance!r}")
+    if not isinstance(max_ranks, int) or max_ranks < 1:
+        raise ValueError(f"--max-ranks must be a positive integer, got {max_ranks!r}")
+    if (hf_config is None) == (provider is None):
+        raise ValueError("give exactly one of --hf-config (a Hugging Face config) and --provider (a Bridge provider)")
+    layout = Layout(tp=tp, cp=cp, ep=ep, etp=etp, pp=pp, sp=sp, world=world_size)
+    not_run, notes = [], []
+    run_layout = layout.without_pipeline()
+    if layout.pp > 1:
+        not_run.append(f"PP{layout.pp}: the test bed builds pipeline stages of the models it builds itself "
+                       f"(testing/pipeline.py), not yet of a Bridge provider's; {run_layout.name} ran without stages")
+    if run_layout.world_size > max_ranks:
+        fitting = [small for small in run_layout.smaller() if small.world_size <= max_ranks]
+        instead = max(fitting, key=lambda small: (small.world_size, small.tp * small.cp))
+        not_run.append(f"{run_layout.name}: {run_layout.world_size} ranks, above --max-ranks {max_ranks}; "
+                       f"{instead.name} ran instead (the sizes between were not exercised)")
+        run_layout = instead
+    values = None
+    if hf_config is not None:
+        values = inputs.read_hf_config(hf_config)
+        shrunk = shrink(values, layout, keyspace="hf", mtp_num_layers=mtp_num_layers, repeated_layer=repeated_layer,
+                        layers=layers, scatter_embedding_sequence_parallel=scatter_embedding)
+        model: dict[str, object] = dict(kind="hf-config", config=shrunk.values)
+        name = inputs.model_name(values, os.fspath(hf_config))
+    else:
+        assert provider is not None
+        inputs.check_provider_path(provider)
+        name = provider
+    sample = _data.sample(data, shrunk.vocab, seed=0) if values is not None else None
+    if sample is not None:
+        check_padding(sample, run_layout, packing, pad_multiple)
+    world = run_layout.world_size
+    cores = os.cpu_count() or 1
+    if world > cores:
+        notes.append(f"{world} ranks on {cores} cores: oversubscribed (slower, the same numbers)")
+    if run_layout.data_parallel > 1:
+        notes.append(f"DP{run_layout.data_parallel}: every data-parallel rank gets the same microbatch (MTP token "
+                     "counts over DP are not reduced upstream, Megatron-LM #7452)")
+    if loss == "3-output" and run_layout.cp > 1:
+        notes.append("a 3-output loss without calculate_per_token_loss averages per-rank LM means under CP "
+                      "(Megatron-LM PR #7513): the LM gradient differs, which no MTP fix changes")
+    fixes = megatron_core_fixes()
+    own = engine is None
+    runner = engine if engine is not None else _child(world, log, progress)
+    phases: list[tuple[str, float]] = []
+    try:
+        if values is None:
+            assert provider is not None
+            described = runner.request(dict(op="describe", model=dict(kind="provider", path=provider)))
+            _raise_plan_error(described)
+            fields = described.get("fields")
+            if not isinstance(fields, dict):
+                raise RuntimeError(f"the verify engine described the provider as {described!r}")
+            shrunk = shrink(fields, layout, keyspace="provider", mtp_num_layers=mtp_num_layers,
+                            repeated_layer=repeated_layer, layers=layers,
+                            scatter_embedding_sequence_parallel=scatter_embedding)
+            changed = {change.key for change in shrunk.changes}
+            model = dict(kind="provider", path=provider,
+                         overrides={key: value for key, value in shrunk.values.items() if key in changed})
+            sample = _data.sample(data, shrunk.vocab, seed=0)
+            check_padding(sample, run_layout, packing, pad_multiple)
+            phases.append(("start-up and provider", _seconds(described)))
+        assert sample is not None
+        scatter = shrunk.values.get("scatter_embedding_sequence_parallel")
+        plan = dict(
+            model=model, recipe=shrunk.settings, seed=SEED, loss=loss, forward=forward,
+            mtp_mask="explicit" if mtp_mask == "passed" else "scoped",
+            scatter_embedding_sequence_parallel=scatter if isinstance(scatter, bool) else True,
+            sequences=[list(sequence.tokens) for sequence in sample.sequences],
+            prompts=[sequence.prompt for sequence in sample.sequences],
+            packing=packing, pad_multiple=pad_multiple,
+        )
+        first = runner.request(dict(op="run", plan=plan, jobs=[["reference", [["reference", []]]]]))
+        _raise_plan_error(first)
+        phases.append(("start-up and reference" if values is not None else "reference", _seconds(first)))
+        cases = [["stock", []], ["overlay", fixes]] + ablations(fixes)
+        second = runner.request(dict(op="run", plan=plan, jobs=[[run_layout.as_dict(), cases]]))
+        _raise_plan_error(second)
+        phases.append((f"{run_layout.name}: {len(cases)} steps", _seconds(second)))
+        reference = _case(_answers(first)[0], None, sample, forward, shrunk.mtp_depth, tolerance, None)
+        judged = [_case(answer, run_layout, sample, forward, shrunk.mtp_depth, tolerance, _answers(first)[0])
+                  for answer in _answers(second)]
+        overlay = judged[1]
+        searched: list[_report.Case] = []
+        if search and overlay.differs:
+            smaller = [small for small in run_layout.smaller() if small.world_size <= world]
+            if smaller:
+                found = runner.request(dict(op="run", plan=plan,
+                                            jobs=[[small.as_dict(), [["overlay", fixes]]] for small in smaller]))
+                _raise_plan_error(found)
+                phases.append((f"{len(smaller)} smaller layouts", _seconds(found)))
+                searched = [_case(answer, small, sample, forward, shrunk.mtp_depth, tolerance, _answers(first)[0])
+                            for answer, small in zip(_answers(found), smaller)]
+        built = first.get("built")
+    finally:
+        if own:
+            runner.close()
+    phases.append(("total", round(time.perf_counter() - started, 1)))
+    return Report(
+        model=name, layout=layout.name, packing=packing, shrunk=shrunk.as_dict(),
+        built=dict(built) if isinstance(built, dict) else {}, sample=sample.as_dict(), reference=reference,
+        stock=judged[0], overlay=overlay, ablations=tuple(judged[2:]), search=tuple(searched),
+        needs=_report.needs(overlay, judged[2:], symptoms(fixes)), not_run=tuple(not_run), notes=tuple(notes), phases=tuple(phases),
+        tolerance=tolerance,
+    )
+
+
+def megatron_core_fixes() -> list[str]:
+    """The overlay's fixes on megatron-core (every target a megatron.core module), in install order."""
+    from ..table import FIXES
+
+    return [name for name, targets in FIXES if all(target.startswith("megatron.core") for target in targets)]
+
+
+def ablations(fixes: list[str]) -> list[list[object]]:
+    """The overlay without each fix in turn, then without each fix together with a fix that reads its state
+    (``Declaration.reads``: mtp-loss-mask refuses a layout mtp-packed-roll would handle, so without
+    mtp-packed-roll alone the step is refused; without both it shows what stock's roll trains)."""
+    from ..declarations import load
+
+    cases: list[list[object]] = [[f"overlay without {fix}", [other for other in fixes if other != fix]]
+                                 for fix in fixes]
+    for reader in fixes:
+        for read in load(reader).reads:
+            if read in fixes:
+                cases.append([f"overlay without {read} and {reader}",
+                              [other for other in fixes if other not in (read, reader)]])
+    return cases
+
+
+def symptoms(fixes: list[str]) -> dict[str, str]:
+    """What goes wrong on stock, per fix (its declaration's ``symptom``)."""
+    from ..declarations import load
+
+    return {fix: load(fix).symptom for fix in fixes}
+
+
+def nemo_rl_multiple(layout: Layout) -> int:
+    """NeMo-RL's per-sequence padding multiple: 2·CP under CP, times TP under SP
+    (``mtp_overlay.mtp.padding_multiple``, restated here so the check needs no torch)."""
+    return (2 * layout.cp if layout.cp > 1 else 1) * (layout.tp if layout.sp else 1)
+
+
+def check_padding(sample: _data.Sample, layout: Layout, packing: str, pad_multiple: int | None) -> None:
+    """ValueError naming ``--cp`` (or ``--tp``) when the padded lengths do not fit the layout: under CP
+    each packed sequence (a BSHD row) is cut into 2·CP chunks, under SP the row into TP parts."""
+    if pad_multiple is not None and (not isinstance(pad_multiple, int) or pad_multiple < 1):
+        raise ValueError(f"--pad-multiple must be a positive integer, got {pad_multiple!r}")
+    multiple = pad_multiple or nemo_rl_multiple(layout)
+    padded = [-(-sequence.length // multiple) * multiple for sequence in sample.sequences]
+    rows = padded if packing != "none" else [max(padded)]
+    chunks = 2 * layout.cp
+    if layout.cp > 1:
+        for index, length in enumerate(rows):
+            if length % chunks:
+                what = f"sequence {index} ({sample.sequences[index].length} tokens)" if packing != "none" else "the row"
+                raise ValueError(f"--cp {layout.cp} cuts each {'sequence' if packing != 'none' else 'row'} into "
+                                 f"2·CP = {chunks} chunks, but --pad-multiple {multiple} pads {what} to {length}, "
+                                 f"not a multiple of {chunks}")
+    total = sum(rows) if packing != "none" else rows[0]
+    if layout.sp and total % layout.tp:
+        raise ValueError(f"--tp {layout.tp} with --sp splits the sequence over {layout.tp} ranks, but --pad-multiple "
+                         f"{multiple} gives {total} tokens")
+
+
+def _child(world: int, log: str | None, progress: Callable[[str], None] | None) -> Engine:
+    from .engine import ChildEngine
+
+    return ChildEngine(world, log=log, progress=progress)
+
+
+def _raise_plan_error(answer: dict[str, object]) -> None:
+    error = answer.get("error")
+    if error:
+        if answer.get("traceback"):
+            raise RuntimeError(f"the verify engine failed: {error}\n{answer['traceback']}"
+                               + (f"\n(the ranks' output: {answer['log']})" if answer.get("log") else ""))
+        raise ValueError(f"the test bed cannot build this config: {error}")
+
+
+def _answers(answer: dict[str, object]) -> list[dict[str, object]]:
+    cases = answer.get("cases")
+    if not isinstance(cases, list) or not all(isinstance(case, dict) for case in cases):
+        raise RuntimeError(f"the verify engine answered without cases: {str(answer)[:300]}")
+    return cases
+
+
+def _case(answer: dict[str, object], layout: Layout | None, sample: _data.Sample, forward: str, depths: int,
+          tolerance: float, reference: dict[str, object] | None) -> _report.Case:
+    named = dict(answer, layout_name=layout.name if layout is not None else "TP1, each sequence alone")
+    return _report.judge_case(named, sample, reference, forward, depths, tolerance)
+
+
+def _seconds(answer: dict[str, object]) -> float:
+    seconds = answer.get("seconds")
+    return float(seconds) if isinstance(seconds, (int, float)) else 0.0
