@@ -49,7 +49,7 @@ class Sample:
 
     def as_dict(self) -> dict[str, object]:
         return dict(source=self.source, note=self.note,
-                    sequences=[dict(tokens=s.length, prompt=s.prompt) for s in self.sequences])
+                    sequences=[dict(tokens=s.length, prompt=s.prompt, ids=list(s.tokens)) for s in self.sequences])
 
 
 def read_sample(path: str | os.PathLike[str]) -> list[tuple[int, int]]:

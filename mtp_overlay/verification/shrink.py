@@ -79,6 +79,11 @@ PROVIDER_FIELDS = tuple(field for _, field in ROLES.values()) + PROVIDER_EXTRAS
 # the HF pattern as a list (transformers 5 NemotronHConfig ``layers_block_type``/``layer_types``), by symbol
 LIST_KEYS = {"pattern": ("layers_block_type", "layer_types"), "mtp_pattern": ("mtp_layers_block_type",)}
 LAYER_NAMES = {"M": "linear_attention", "E": "moe", "*": "full_attention", "-": "mlp"}
+# megatron-core's other layer symbols (models/hybrid/hybrid_layer_allocation.py:14-26): no CPU stand-in
+NO_STAND_IN = {"G": "gated delta net", "D": "DeepSeek sparse attention", "+": "multi-latent attention"}
+# keys of features the test bed has no CPU stand-in for: key -> what it is
+NO_STAND_IN_KEYS = {"kv_lora_rank": "multi-latent attention (MLA)", "q_lora_rank": "multi-latent attention (MLA)",
+                    "multi_latent_attention": "multi-latent attention (MLA)"}
 # what verify sets for its reference, whatever the config says: the MoE losses that are a function of a
 # whole microbatch's routing (a per-sequence reference exists only without them), and token dropping
 REFERENCE_SETTINGS = {
@@ -183,6 +188,7 @@ def shrink(values: Mapping[str, object], layout: Layout, *, keyspace: str = "hf"
         raise ValueError(f"--layers must be one of {LAYER_MODES}, got {layers!r}")
     config = _Config(values, keyspace)
     pattern, mtp_pattern = _patterns(config)
+    check_stand_ins(config, pattern, mtp_pattern)
     depth = _mtp(config, mtp_num_layers, repeated_layer, mtp_pattern)
     check_layout(config, layout, pattern, mtp_pattern)
     kept: list[tuple[str, object]] = [("MTP depth", depth)]
@@ -232,6 +238,22 @@ def _kept_keys(config: _Config) -> set[str]:
 
 
 # --- the checks ---------------------------------------------------------------------------------
+def check_stand_ins(config: _Config, pattern: str | None, mtp_pattern: str | None) -> None:
+    """ValueError naming what the test bed has no CPU stand-in for: a layer symbol outside M * - E, a
+    feature key of `NO_STAND_IN_KEYS`."""
+    missing = []
+    for what, found in (("layer pattern", pattern), ("MTP pattern", mtp_pattern)):
+        for symbol in sorted(set(found or "") - set(LAYER_NAMES) - set("|/")):
+            missing.append(f"layer {symbol!r} ({NO_STAND_IN.get(symbol, 'not a megatron-core layer symbol')}) in "
+                           f"the {what} {found!r}")
+    for key, what in NO_STAND_IN_KEYS.items():
+        if config.values.get(key):
+            missing.append(f"{what} ({key}={config.values[key]!r})")
+    if missing:
+        raise ValueError("the test bed has no CPU stand-in for " + "; ".join(missing) +
+                         f" (it builds {', '.join(f'{s!r} {k}' for s, k in LAYER_NAMES.items())} layers)")
+
+
 def check_layout(config: _Config, layout: Layout, pattern: str | None, mtp_pattern: str | None) -> None:
     """ValueError naming the flag when the real config cannot run ``layout`` (module docstring)."""
     heads, groups = config.number("heads"), config.number("query_groups")
