@@ -1,23 +1,24 @@
 """The engine of ``mtp-overlay verify``: a user's shrunk model on gloo ranks through Megatron's own step.
 
 The product (`mtp_overlay.verification`) reads the user's config, shrinks it, draws the data and
-judges the result; it never imports this module but runs it as a child process
-(``python -m mtp_overlay.testing.verify PLAN RESULT``: a plan in, the measurements out, both JSON;
-progress on stderr). This module measures and judges nothing: per case it reports what Megatron's
-step gave (LM and per-depth MTP losses, token counts), the (sequence, position, target) triples each
-MTP depth back-propagated a loss from (`packed.record_mtp`, gathered over CP), and the gradients'
-relative errors against the reference, all of it the parity table's machinery
-(`parity.run_step`: one engine, two faces).
+judges; it never imports this module: it runs ``python -m mtp_overlay.testing.verify --world-size N``
+as a child process (`verification.engine.ChildEngine`) and talks JSON lines with it (`main`), or a
+test hands it an in-process `Engine`. This module measures and judges nothing. Per case it reports
+what Megatron's step gave (LM and per-depth logged MTP losses, token counts), the (sequence,
+position, target) triples each MTP depth back-propagated a loss from (`packed.record_mtp`, gathered
+over CP, mapped back to each sequence through the microbatch's slot map), the relative error of the
+MTP block's, each MTP layer's and the rest's gradients against the reference, and the parity
+table's max |Δgrad|. A step is the parity table's (`parity.run_step`: one engine, two faces).
 
-Cases run on one `launcher.RankPool` of the plan's world size, in three runs: ``describe`` (a
-provider given by its module path: its fields, for the product to shrink), ``reference`` (each
-sequence alone, unpacked, TP1: every rank runs it as data-parallel replica), ``layout`` (the asked
-layout: stock, the overlay, the overlay without each of its fixes in turn) and, when the product
-asks for it, ``search`` (the overlay on each smaller layout). A layout other than the pool's is set
-up inside the run (model parallelism destroyed and initialised again over the same ranks, the rest
-data parallel, fed the same microbatch: a replica's gradients are the single rank's); the model is
-built anew for it by Megatron-Bridge's provider, from one seed, with the test bed's CPU settings
-(`bridge.build_provided`).
+Requests (`Engine.request`): ``describe`` (a provider given by its module path: its fields, for the
+product to shrink; its family) and ``run``: jobs of ``(layout, [(case name, fixes), ...])``. The
+layout ``"reference"`` is each sequence alone, unpacked, TP1, stock; its gradients are kept for
+every later case. Each job sets its layout up over the same ranks (model parallelism destroyed and
+initialised again, the rest data parallel, fed the same microbatch: a replica's gradients are the
+single rank's), builds the model anew with Megatron-Bridge's provider from one seed with the test
+bed's CPU settings (`bridge.build_provided`; stock megatron-core), and runs each case with exactly its
+fixes installed. A config the test bed cannot build answers ``{"error": ...}`` naming what is missing
+(`PlanError`); anything else that fails answers the error with its traceback and the ranks' log.
 """
 
 import importlib
@@ -26,8 +27,7 @@ import os
 import sys
 import time
 
-ROLES = ("reference", "stock", "overlay")
-PACKINGS = ("none", "thd-padded", "thd-real-lengths")
+# verify's --loss -> (MegatronStep's loss shape, calculate_per_token_loss)
 LOSSES = {"per-token": ("3-output", True), "3-output": ("3-output", False), "2-output": ("2-output", False)}
 
 

@@ -289,7 +289,9 @@ def needs(overlay: Case, ablations: tuple[Case, ...] | list[Case],
 
 def _depth(depth: Depth, case: Case) -> str:
     loss = "" if depth.loss is None else f", MTP loss {depth.loss:.5f} (relerr {_rel(depth.loss_relerr)})"
-    grad = "" if depth.grad_relerr is None else f", gradient relerr {_rel(depth.grad_relerr)}"
+    shared = len(case.depths) > 1 and f"mtp.layers.{depth.depth - 1}" not in case.grad_relerr
+    scope = " (the MTP block's: one layer for every depth)" if shared else ""
+    grad = "" if depth.grad_relerr is None else f", gradient relerr {_rel(depth.grad_relerr)}{scope}"
     text = f"depth {depth.depth}: trained {depth.trained} pairs, the mask allows {depth.allowed}; " \
            f"{len(depth.wrong)} wrong, {len(depth.missed)} missed{loss}{grad}"
     if depth.wrong or depth.missed:

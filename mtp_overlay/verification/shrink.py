@@ -126,6 +126,7 @@ class Shrunk:
     pattern: str | None
     mtp_pattern: str | None
     vocab: int
+    experts: int = 0
 
     @property
     def hybrid(self) -> bool:
@@ -220,7 +221,7 @@ def shrink(values: Mapping[str, object], layout: Layout, *, keyspace: str = "hf"
         keyspace=keyspace, values=config.values, changes=tuple(config.changes), kept=tuple(kept),
         settings={name: value for name, (value, _) in REFERENCE_SETTINGS.items()}, mtp_depth=depth,
         repeated_layer=repeated if isinstance(repeated, bool) else None, pattern=built_pattern,
-        mtp_pattern=mtp_pattern, vocab=vocab,
+        mtp_pattern=mtp_pattern, vocab=vocab, experts=config.number("experts") or 0,
     )
 
 
