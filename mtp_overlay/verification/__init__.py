@@ -108,17 +108,8 @@ def verify(
     if (hf_config is None) == (provider is None):
         raise ValueError("give exactly one of --hf-config (a Hugging Face config) and --provider (a Bridge provider)")
     layout = Layout(tp=tp, cp=cp, ep=ep, etp=etp, pp=pp, sp=sp, world=world_size)
-    not_run, notes = [], []
-    run_layout = layout.without_pipeline()
-    if layout.pp > 1:
-        not_run.append(f"PP{layout.pp}: the test bed builds pipeline stages of the models it builds itself "
-                       f"(testing/pipeline.py), not yet of a Bridge provider's; {run_layout.name} ran without stages")
-    if run_layout.world_size > max_ranks:
-        fitting = [small for small in run_layout.smaller() if small.world_size <= max_ranks]
-        instead = max(fitting, key=lambda small: (small.world_size, small.tp * small.cp))
-        not_run.append(f"{run_layout.name}: {run_layout.world_size} ranks, above --max-ranks {max_ranks}; "
-                       f"{instead.name} ran instead (the sizes between were not exercised)")
-        run_layout = instead
+    notes: list[str] = []
+    run_layout, not_run = layout_to_run(layout, max_ranks)
     values = None
     if hf_config is not None:
         values = inputs.read_hf_config(hf_config)
@@ -163,7 +154,7 @@ def verify(
                          overrides={key: value for key, value in shrunk.values.items() if key in changed})
             sample = _data.sample(data, shrunk.vocab, seed=0)
             check_padding(sample, run_layout, packing, pad_multiple)
-            phases.append(("start-up and provider", _seconds(described)))
+            phases += _startup(described, world) + [("the provider", _seconds(described))]
         assert sample is not None
         if shrunk.experts:
             notes.append("the MoE load-balancing loss is off (a function of the whole microbatch's routing: no "
@@ -181,7 +172,7 @@ def verify(
         )
         first = runner.request(dict(op="run", plan=plan, jobs=[["reference", [["reference", []]]]]))
         _raise_plan_error(first)
-        phases.append(("start-up and reference" if values is not None else "reference", _seconds(first)))
+        phases += _startup(first, world) + [("reference (TP1, each sequence alone)", _seconds(first))]
         cases = [["stock", []], ["overlay", fixes]] + ablations(fixes)
         second = runner.request(dict(op="run", plan=plan, jobs=[[run_layout.as_dict(), cases]]))
         _raise_plan_error(second)
@@ -204,7 +195,7 @@ def verify(
     finally:
         if own:
             runner.close()
-    phases.append(("total", round(time.perf_counter() - started, 1)))
+    phases.append(("total, the child process's start included", round(time.perf_counter() - started, 1)))
     return Report(
         model=name, layout=layout.name, packing=packing, shrunk=shrunk.as_dict(),
         built=dict(built) if isinstance(built, dict) else {}, sample=sample.as_dict(), reference=reference,
@@ -212,6 +203,26 @@ def verify(
         needs=_report.needs(overlay, judged[2:], symptoms(fixes)), not_run=tuple(not_run), notes=tuple(notes), phases=tuple(phases),
         tolerance=tolerance,
     )
+
+
+def layout_to_run(layout: Layout, max_ranks: int) -> tuple[Layout, list[str]]:
+    """The layout verify runs for ``layout``, and what it does not run, in words: pipeline stages (the
+    test bed builds stages of the models it builds itself, ``testing/pipeline.py``, not yet of a
+    provider's: one stage runs), and a world size above ``max_ranks`` (the largest smaller layout that
+    fits runs instead: the sizes between are not exact stand-ins, so they are named as not run)."""
+    run, not_run = layout.without_pipeline(), []
+    if layout.pp > 1:
+        not_run.append(f"PP{layout.pp}: the test bed builds pipeline stages of the models it builds itself "
+                       f"(testing/pipeline.py), not yet of a Bridge provider's; {run.name} ran on one stage")
+    if run.world_size > max_ranks:
+        fitting = [small for small in run.smaller() if small.world_size <= max_ranks]
+        # the most ranks, then the most dimensions kept parallel (CP2 x TP4 shows more than TP8 alone)
+        instead = max(fitting, key=lambda small: (small.world_size, sum(size > 1 for size in (small.tp, small.cp,
+                                                                                              small.ep)), small.cp))
+        not_run.append(f"{run.name}: {run.world_size} ranks, above --max-ranks {max_ranks}; {instead.name} ran "
+                       "instead (a smaller size of a dimension is not an exact stand-in for the larger)")
+        run = instead
+    return run, not_run
 
 
 def megatron_core_fixes() -> list[str]:
@@ -298,6 +309,14 @@ def _case(answer: dict[str, object], layout: Layout | None, sample: _data.Sample
           tolerance: float, reference: dict[str, object] | None) -> _report.Case:
     named = dict(answer, layout_name=layout.name if layout is not None else "TP1, each sequence alone")
     return _report.judge_case(named, sample, reference, forward, depths, tolerance)
+
+
+def _startup(answer: dict[str, object], world: int) -> list[tuple[str, float]]:
+    """The start-up phase of the engine's first answer (none on later ones)."""
+    seconds = answer.get("startup")
+    if not isinstance(seconds, (int, float)):
+        return []
+    return [(f"start-up ({world} ranks: megatron-core and Megatron-Bridge imports)", float(seconds))]
 
 
 def _seconds(answer: dict[str, object]) -> float:

@@ -2,9 +2,10 @@
 
 A data sample is a JSONL file, one sequence per line: ``{"tokens": <int>, "prompt": <int>}``, the
 sequence's token count and how many of its leading tokens are prompt (the loss mask's zeros; default
-0). Without one, the parity table's packed row is used (`DEFAULT`: four sequences of 9, 12, 6 and 4
-tokens with prompts of 2, 0, 3 and 1: lengths that no padding multiple above 1 divides, a sequence
-with no prompt).
+0). Without one, `DEFAULT`: four sequences of 9, 12, 6 and 4 tokens (the parity table's packed row:
+no padding multiple above 2 divides them all) with prompts of 4, 0, 6 and 1: a prompt longer than the
+MTP depths reach (so a head trained on prompt tokens shows), none, all of it (a filtered sample:
+nothing may train), one.
 
 `shrink_sample` keeps at most `MAX_SEQUENCES` of them (spread over the sorted lengths, plus one with
 no response and one with no prompt if the sample has such sequences), scales their lengths so the
@@ -21,7 +22,7 @@ import json
 import os
 import random
 
-DEFAULT = ((9, 2), (12, 0), (6, 3), (4, 1))  # (tokens, prompt) per sequence
+DEFAULT = ((9, 4), (12, 0), (6, 6), (4, 1))  # (tokens, prompt) per sequence
 MAX_SEQUENCES = 6
 MAX_LENGTH = 24
 
@@ -128,6 +129,6 @@ def draw(pairs: list[tuple[int, int]], vocab: int, *, seed: int = 0) -> tuple[Se
 def sample(path: str | os.PathLike[str] | None, vocab: int, *, seed: int = 0) -> Sample:
     """The `Sample` of a JSONL data sample at ``path`` (None: `DEFAULT`), shrunk and drawn."""
     if path is None:
-        return Sample(draw(list(DEFAULT), vocab, seed=seed), "default (the parity table's packed row)", "as given")
+        return Sample(draw(list(DEFAULT), vocab, seed=seed), "default (data.DEFAULT)", "as given")
     pairs, note = shrink_sample(read_sample(path))
     return Sample(draw(pairs, vocab, seed=seed), os.fspath(path), note)

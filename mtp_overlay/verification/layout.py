@@ -74,7 +74,8 @@ class Layout:
         return dict(tp=self.tp, cp=self.cp, ep=self.ep, etp=self.etp, sp=self.sp)
 
     def without_pipeline(self) -> Layout:
-        return dataclasses.replace(self, pp=1, world=None)
+        """This layout on one pipeline stage: the same ranks per stage (a given world size divided by PP)."""
+        return dataclasses.replace(self, pp=1, world=None if self.world is None else self.world // self.pp)
 
     def smaller(self) -> list[Layout]:
         """Every layout with each size a divisor of this one's (sequence parallelism kept where TP > 1),

@@ -145,3 +145,14 @@ def test_layout_errors_name_the_flag():
         Layout(cp=0)
     assert Layout(tp=2, ep=2, etp=1, sp=True).world_size == 2 and Layout(ep=2).world_size == 2
     assert [small.name for small in Layout(tp=2, cp=2, sp=True).smaller()] == ["TP1", "CP2", "TP2+SP"]
+
+
+def test_what_verify_does_not_run_is_said():
+    from mtp_overlay.verification import layout_to_run
+
+    run, not_run = layout_to_run(Layout(tp=8, cp=4, sp=True), 8)
+    assert run.name == "TP2xCP4+SP" and "TP8xCP4+SP: 32 ranks, above --max-ranks 8; TP2xCP4+SP ran instead" in not_run[0]
+    run, not_run = layout_to_run(Layout(tp=2, pp=2, sp=True, world=8), 8)
+    assert run == Layout(tp=2, sp=True, world=4) and run.data_parallel == 2
+    assert not_run[0].startswith("PP2: the test bed builds pipeline stages of the models it builds itself")
+    assert layout_to_run(Layout(tp=2, cp=2, sp=True), 8) == (Layout(tp=2, cp=2, sp=True), [])
