@@ -116,6 +116,7 @@ def describe(model):
     try:
         provider = provider_of(model)
         kind = family(provider)
+        check_buildable(provider)
     except PlanError as error:
         return dict(error=str(error))
     fields = {}

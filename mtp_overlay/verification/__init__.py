@@ -28,7 +28,7 @@ from . import inputs
 from . import report as _report
 from .layout import Layout
 from .report import Report
-from .shrink import shrink
+from .shrink import Shrunk, shrink
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -92,9 +92,79 @@ def verify(
     Raises ValueError naming the argument for bad input and for a config the test bed cannot build;
     RuntimeError when the engine cannot run at all.
     """
+    started = time.perf_counter()
+    _check_options(packing, loss, forward, mtp_mask, tolerance, max_ranks)
+    if (hf_config is None) == (provider is None):
+        raise ValueError("give exactly one of --hf-config (a Hugging Face config) and --provider (a Bridge provider)")
+    layout = Layout(tp=tp, cp=cp, ep=ep, etp=etp, pp=pp, sp=sp, world=world_size)
+    run_layout, not_run = layout_to_run(layout, max_ranks)
+
+    def shrunk_for(values: dict[str, object], keyspace: str) -> Shrunk:
+        return shrink(values, layout, keyspace=keyspace, mtp_num_layers=mtp_num_layers, repeated_layer=repeated_layer,
+                      layers=layers, scatter_embedding_sequence_parallel=scatter_embedding)
+
+    shrunk = sample = None
+    if hf_config is not None:  # everything checked before a process starts
+        values = inputs.read_hf_config(hf_config)
+        shrunk = shrunk_for(values, "hf")
+        sample = _data.sample(data, shrunk.vocab, seed=0)
+        check_padding(sample, run_layout, packing, pad_multiple)
+        name = inputs.model_name(values, os.fspath(hf_config))
+    else:
+        name = inputs.check_provider_path(str(provider))
+    fixes, phases = megatron_core_fixes(), []
+    runner = engine if engine is not None else _child(run_layout.world_size, log, progress)
+    try:
+        if shrunk is None or sample is None:  # a provider: its fields come from the engine (Bridge imports it)
+            described = runner.request(dict(op="describe", model=dict(kind="provider", path=name)))
+            _raise_plan_error(described)
+            fields = described.get("fields")
+            if not isinstance(fields, dict):
+                raise RuntimeError(f"the verify engine described the provider as {described!r}")
+            shrunk = shrunk_for(fields, "provider")
+            sample = _data.sample(data, shrunk.vocab, seed=0)
+            check_padding(sample, run_layout, packing, pad_multiple)
+            phases += _startup(described, run_layout.world_size) + [("the provider", _seconds(described))]
+        plan = _plan(shrunk, sample, name, loss=loss, forward=forward, mtp_mask=mtp_mask, packing=packing,
+                     pad_multiple=pad_multiple)
+        first = _request(runner, plan, [["reference", [["reference", []]]]])
+        phases += _startup(first, run_layout.world_size) + [("reference (TP1, each sequence alone)", _seconds(first))]
+        reference_row = _answers(first)[0]
+        cases = [["stock", []], ["overlay", fixes]] + ablations(fixes)
+        second = _request(runner, plan, [[run_layout.as_dict(), cases]])
+        phases.append((f"{run_layout.name}: {len(cases)} steps", _seconds(second)))
+        depths = shrunk.mtp_depth
+
+        def judged_as(answer: dict[str, object], where: Layout | None, reference: dict[str, object] | None) -> _report.Case:
+            named = dict(answer, layout_name=where.name if where is not None else "TP1, each sequence alone")
+            return _report.judge_case(named, sample, reference, forward, depths, tolerance)
+
+        judged = [judged_as(answer, run_layout, reference_row) for answer in _answers(second)]
+        searched: list[_report.Case] = []
+        smaller = [small for small in run_layout.smaller() if small.world_size <= run_layout.world_size]
+        if search and judged[1].differs and smaller:
+            found = _request(runner, plan, [[small.as_dict(), [["overlay", fixes]]] for small in smaller])
+            phases.append((f"{len(smaller)} smaller layouts", _seconds(found)))
+            searched = [judged_as(answer, small, reference_row) for answer, small in zip(_answers(found), smaller)]
+    finally:
+        if engine is None:
+            runner.close()
+    phases.append(("total, the child process's start included", round(time.perf_counter() - started, 1)))
+    built = first.get("built")
+    return Report(
+        model=name, layout=layout.name, packing=packing, shrunk=shrunk.as_dict(),
+        built=dict(built) if isinstance(built, dict) else {}, sample=sample.as_dict(),
+        reference=judged_as(reference_row, None, None),
+        stock=judged[0], overlay=judged[1], ablations=tuple(judged[2:]), search=tuple(searched),
+        needs=_report.needs(judged[1], judged[2:], symptoms(fixes)), not_run=tuple(not_run),
+        notes=tuple(notes(run_layout, loss, shrunk)), phases=tuple(phases), tolerance=tolerance,
+    )
+
+
+def _check_options(packing: str, loss: str, forward: str, mtp_mask: str, tolerance: float, max_ranks: int) -> None:
+    """ValueError naming the flag of a choice verify does not know or a combination it cannot run."""
     from .oracle import FORWARDS
 
-    started = time.perf_counter()
     for name, value, allowed in (("--packing", packing, PACKINGS), ("--loss", loss, LOSSES),
                                  ("--forward", forward, FORWARDS), ("--mtp-mask", mtp_mask, MASKS)):
         if value not in allowed:
@@ -105,104 +175,45 @@ def verify(
         raise ValueError(f"--tolerance must be a number in (0, 1), got {tolerance!r}")
     if not isinstance(max_ranks, int) or max_ranks < 1:
         raise ValueError(f"--max-ranks must be a positive integer, got {max_ranks!r}")
-    if (hf_config is None) == (provider is None):
-        raise ValueError("give exactly one of --hf-config (a Hugging Face config) and --provider (a Bridge provider)")
-    layout = Layout(tp=tp, cp=cp, ep=ep, etp=etp, pp=pp, sp=sp, world=world_size)
-    notes: list[str] = []
-    run_layout, not_run = layout_to_run(layout, max_ranks)
-    values = None
-    if hf_config is not None:
-        values = inputs.read_hf_config(hf_config)
-        shrunk = shrink(values, layout, keyspace="hf", mtp_num_layers=mtp_num_layers, repeated_layer=repeated_layer,
-                        layers=layers, scatter_embedding_sequence_parallel=scatter_embedding)
+
+
+def _plan(shrunk: Shrunk, sample: _data.Sample, name: str, *, loss: str, forward: str, mtp_mask: str,
+          packing: str, pad_multiple: int | None) -> dict[str, object]:
+    """What the engine builds and runs (``testing/verify.py`` reads it)."""
+    if shrunk.keyspace == "hf":
         model: dict[str, object] = dict(kind="hf-config", config=shrunk.values)
-        name = inputs.model_name(values, os.fspath(hf_config))
-    else:
-        assert provider is not None
-        inputs.check_provider_path(provider)
-        name = provider
-    sample = _data.sample(data, shrunk.vocab, seed=0) if values is not None else None
-    if sample is not None:
-        check_padding(sample, run_layout, packing, pad_multiple)
-    world = run_layout.world_size
-    cores = os.cpu_count() or 1
-    if world > cores:
-        notes.append(f"{world} ranks on {cores} cores: oversubscribed (slower, the same numbers)")
-    if run_layout.data_parallel > 1:
-        notes.append(f"DP{run_layout.data_parallel}: every data-parallel rank gets the same microbatch (MTP token "
-                     "counts over DP are not reduced upstream, Megatron-LM #7452)")
-    if loss == "3-output" and run_layout.cp > 1:
-        notes.append("a 3-output loss without calculate_per_token_loss averages per-rank LM means under CP "
-                      "(Megatron-LM PR #7513): the LM gradient differs, which no MTP fix changes")
-    fixes = megatron_core_fixes()
-    own = engine is None
-    runner = engine if engine is not None else _child(world, log, progress)
-    phases: list[tuple[str, float]] = []
-    try:
-        if values is None:
-            assert provider is not None
-            described = runner.request(dict(op="describe", model=dict(kind="provider", path=provider)))
-            _raise_plan_error(described)
-            fields = described.get("fields")
-            if not isinstance(fields, dict):
-                raise RuntimeError(f"the verify engine described the provider as {described!r}")
-            shrunk = shrink(fields, layout, keyspace="provider", mtp_num_layers=mtp_num_layers,
-                            repeated_layer=repeated_layer, layers=layers,
-                            scatter_embedding_sequence_parallel=scatter_embedding)
-            changed = {change.key for change in shrunk.changes}
-            model = dict(kind="provider", path=provider,
-                         overrides={key: value for key, value in shrunk.values.items() if key in changed})
-            sample = _data.sample(data, shrunk.vocab, seed=0)
-            check_padding(sample, run_layout, packing, pad_multiple)
-            phases += _startup(described, world) + [("the provider", _seconds(described))]
-        assert sample is not None
-        if shrunk.experts:
-            notes.append("the MoE load-balancing loss is off (a function of the whole microbatch's routing: no "
-                         "per-sequence reference exists with it): defects of the MTP block's aux loss (its routers "
-                         "built without is_mtp_layer, Megatron-LM PR #6748) are not checked here; scripts/parity.py's "
-                         "aux-loss rows check them")
-        scatter = shrunk.values.get("scatter_embedding_sequence_parallel")
-        plan = dict(
-            model=model, recipe=shrunk.settings, seed=SEED, loss=loss, forward=forward,
-            mtp_mask="explicit" if mtp_mask == "passed" else "scoped",
-            scatter_embedding_sequence_parallel=scatter if isinstance(scatter, bool) else True,
-            sequences=[list(sequence.tokens) for sequence in sample.sequences],
-            prompts=[sequence.prompt for sequence in sample.sequences],
-            packing=packing, pad_multiple=pad_multiple,
-        )
-        first = runner.request(dict(op="run", plan=plan, jobs=[["reference", [["reference", []]]]]))
-        _raise_plan_error(first)
-        phases += _startup(first, world) + [("reference (TP1, each sequence alone)", _seconds(first))]
-        cases = [["stock", []], ["overlay", fixes]] + ablations(fixes)
-        second = runner.request(dict(op="run", plan=plan, jobs=[[run_layout.as_dict(), cases]]))
-        _raise_plan_error(second)
-        phases.append((f"{run_layout.name}: {len(cases)} steps", _seconds(second)))
-        reference = _case(_answers(first)[0], None, sample, forward, shrunk.mtp_depth, tolerance, None)
-        judged = [_case(answer, run_layout, sample, forward, shrunk.mtp_depth, tolerance, _answers(first)[0])
-                  for answer in _answers(second)]
-        overlay = judged[1]
-        searched: list[_report.Case] = []
-        if search and overlay.differs:
-            smaller = [small for small in run_layout.smaller() if small.world_size <= world]
-            if smaller:
-                found = runner.request(dict(op="run", plan=plan,
-                                            jobs=[[small.as_dict(), [["overlay", fixes]]] for small in smaller]))
-                _raise_plan_error(found)
-                phases.append((f"{len(smaller)} smaller layouts", _seconds(found)))
-                searched = [_case(answer, small, sample, forward, shrunk.mtp_depth, tolerance, _answers(first)[0])
-                            for answer, small in zip(_answers(found), smaller)]
-        built = first.get("built")
-    finally:
-        if own:
-            runner.close()
-    phases.append(("total, the child process's start included", round(time.perf_counter() - started, 1)))
-    return Report(
-        model=name, layout=layout.name, packing=packing, shrunk=shrunk.as_dict(),
-        built=dict(built) if isinstance(built, dict) else {}, sample=sample.as_dict(), reference=reference,
-        stock=judged[0], overlay=overlay, ablations=tuple(judged[2:]), search=tuple(searched),
-        needs=_report.needs(overlay, judged[2:], symptoms(fixes)), not_run=tuple(not_run), notes=tuple(notes), phases=tuple(phases),
-        tolerance=tolerance,
+    else:  # the provider's fields the shrink changed, set on it after it is made
+        changed = {change.key for change in shrunk.changes}
+        model = dict(kind="provider", path=name,
+                     overrides={key: value for key, value in shrunk.values.items() if key in changed})
+    scatter = shrunk.values.get("scatter_embedding_sequence_parallel")
+    return dict(
+        model=model, recipe=shrunk.settings, seed=SEED, loss=loss, forward=forward,
+        mtp_mask="explicit" if mtp_mask == "passed" else "scoped",
+        scatter_embedding_sequence_parallel=scatter if isinstance(scatter, bool) else True,
+        sequences=[list(sequence.tokens) for sequence in sample.sequences],
+        prompts=[sequence.prompt for sequence in sample.sequences], packing=packing, pad_multiple=pad_multiple,
     )
+
+
+def notes(layout: Layout, loss: str, shrunk: Shrunk) -> list[str]:
+    """What a reader of the report must know about how this run relates to the real one."""
+    found = []
+    cores = os.cpu_count() or 1
+    if layout.world_size > cores:
+        found.append(f"{layout.world_size} ranks on {cores} cores: oversubscribed (slower, the same numbers)")
+    if layout.data_parallel > 1:
+        found.append(f"DP{layout.data_parallel}: every data-parallel rank gets the same microbatch (MTP token "
+                     "counts over DP are not reduced upstream, Megatron-LM #7452)")
+    if loss == "3-output" and layout.cp > 1:
+        found.append("a 3-output loss without calculate_per_token_loss averages per-rank LM means under CP "
+                     "(Megatron-LM PR #7513): the LM gradient differs, which no MTP fix changes")
+    if shrunk.experts:
+        found.append("the MoE load-balancing loss is off (a function of the whole microbatch's routing: no "
+                     "per-sequence reference exists with it): defects of the MTP block's aux loss (its routers "
+                     "built without is_mtp_layer, Megatron-LM PR #6748) are not checked here; scripts/parity.py's "
+                     "aux-loss rows check them")
+    return found
 
 
 def layout_to_run(layout: Layout, max_ranks: int) -> tuple[Layout, list[str]]:
@@ -289,6 +300,12 @@ def _child(world: int, log: str | None, progress: Callable[[str], None] | None) 
     return ChildEngine(world, log=log, progress=progress)
 
 
+def _request(runner: Engine, plan: dict[str, object], jobs: list[list[object]]) -> dict[str, object]:
+    answer = runner.request(dict(op="run", plan=plan, jobs=jobs))
+    _raise_plan_error(answer)
+    return answer
+
+
 def _raise_plan_error(answer: dict[str, object]) -> None:
     error = answer.get("error")
     if error:
@@ -303,12 +320,6 @@ def _answers(answer: dict[str, object]) -> list[dict[str, object]]:
     if not isinstance(cases, list) or not all(isinstance(case, dict) for case in cases):
         raise RuntimeError(f"the verify engine answered without cases: {str(answer)[:300]}")
     return cases
-
-
-def _case(answer: dict[str, object], layout: Layout | None, sample: _data.Sample, forward: str, depths: int,
-          tolerance: float, reference: dict[str, object] | None) -> _report.Case:
-    named = dict(answer, layout_name=layout.name if layout is not None else "TP1, each sequence alone")
-    return _report.judge_case(named, sample, reference, forward, depths, tolerance)
 
 
 def _startup(answer: dict[str, object], world: int) -> list[tuple[str, float]]:
