@@ -166,7 +166,7 @@ def build_provided(provider, *, seed=1234, sequence_parallel=False, scatter_embe
                    recipe=None):
     """The model a Bridge ``provider`` (not finalized: straight from ``to_megatron_provider`` or a
     recipe) builds for this rank, with the test bed's overrides (`build_bridge_model`): this rank's
-    TP / CP (and, with MoE layers, expert) parallel sizes, CPU initialisation, no dropout, without TE
+    TP / CP / PP (its stage; and, with MoE layers, expert) parallel sizes, CPU initialisation, no dropout, without TE
     local specs; ``recipe`` fields on top. A HybridModelProvider without the scatter field is
     re-declared with it (`HybridModelProviderWithScatterOption`) when the embedding must not scatter.
     """
@@ -189,6 +189,9 @@ def build_provided(provider, *, seed=1234, sequence_parallel=False, scatter_embe
         hidden_dropout=0.0,
         attention_dropout=0.0,
     )
+    stages = parallel_state.get_pipeline_model_parallel_world_size()
+    if stages > 1:  # this rank's stage (the provider reads pre/post_process from the pipeline group)
+        overrides.update(pipeline_model_parallel_size=stages, pipeline_dtype=torch.float32)
     if getattr(provider, "num_moe_experts", None):
         overrides.update(
             expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),

@@ -16,8 +16,9 @@ layout ``"reference"`` is each sequence alone, unpacked, TP1, stock; its gradien
 every later case. Each job sets its layout up over the same ranks (model parallelism destroyed and
 initialised again, the rest data parallel, fed the same microbatch: a replica's gradients are the
 single rank's), builds the model anew with Megatron-Bridge's provider from one seed with the test
-bed's CPU settings (`bridge.build_provided`; stock megatron-core), and runs each case with exactly its
-fixes installed. A config the test bed cannot build answers ``{"error": ...}`` naming what is missing
+bed's CPU settings (`bridge.build_provided`; stock megatron-core; under PP each stage holding the
+weights of the model without stages, `pipeline.build_stage`, the MTP block's positions sent from the
+last stage), and runs each case with exactly its fixes installed. A config the test bed cannot build answers ``{"error": ...}`` naming what is missing
 (`PlanError`); anything else that fails answers the error with its traceback and the ranks' log.
 """
 
@@ -163,19 +164,54 @@ def check_buildable(provider):
 
 
 def build(plan, sequence_parallel):
-    """This rank's model of the plan (its layout from parallel_state), per-token loss as the plan says."""
-    from .bridge import build_provided
-    from .parity import _own_attention_backend
+    """This rank's model of the plan (its layout from parallel_state), per-token loss as the plan says.
 
-    provider = provider_of(plan["model"])
-    family(provider)
-    check_buildable(provider)
-    with _own_attention_backend():
-        model = build_provided(provider, seed=plan["seed"], sequence_parallel=sequence_parallel,
-                               scatter_embedding_sequence_parallel=plan["scatter_embedding_sequence_parallel"],
-                               recipe=plan.get("recipe") or None)
-    model.config.calculate_per_token_loss = LOSSES[plan["loss"]][1]
-    return model
+    Under pipeline parallelism this rank's stage, holding the weights of the model built at PP1 over
+    the same ranks (`pipeline.build_stage`; a stage built from the seed alone would draw other
+    weights); a hybrid pattern is cut into one ``|``-separated segment per stage (`staged_pattern`).
+    """
+    from . import pipeline
+
+    def one(staged):
+        from .bridge import build_provided
+        from .parity import _own_attention_backend
+
+        provider = provider_of(plan["model"])
+        kind = family(provider)
+        check_buildable(provider)
+        if pipeline.size() > 1 and provider.share_embeddings_and_output_weights:
+            raise PlanError(
+                f"--pp {pipeline.size()} with tied embeddings: the last stage holds its own copy of the tied output "
+                "weight (megatron-core language_module.py:273-283), which the test bed does not yet map to the "
+                "word embeddings of the model without stages (testing/pipeline.py maps untied models); verify "
+                "this config with --pp 1"
+            )
+        if staged and kind == "hybrid":
+            provider.hybrid_layer_pattern = staged_pattern(provider.hybrid_layer_pattern, pipeline.size())
+        with _own_attention_backend():
+            model = build_provided(provider, seed=plan["seed"], sequence_parallel=sequence_parallel,
+                                   scatter_embedding_sequence_parallel=plan["scatter_embedding_sequence_parallel"],
+                                   recipe=plan.get("recipe") or None)
+        model.config.calculate_per_token_loss = LOSSES[plan["loss"]][1]
+        return model
+
+    return one(False) if pipeline.size() == 1 else pipeline.build_stage(one, dict(staged=False), dict(staged=True))
+
+
+def staged_pattern(pattern, stages):
+    """``pattern`` (a hybrid layer pattern without MTP) cut into ``stages`` ``|``-separated segments, the
+    longer ones first: ``"ME*-"`` at PP2 -> ``"ME|*-"``; PlanError with fewer layers than stages."""
+    layers = pattern.replace("|", "")
+    if len(layers) < stages:
+        raise PlanError(f"the shrunk layer pattern {layers!r} has {len(layers)} layers, fewer than the {stages} "
+                        "pipeline stages: verify with --layers all, or fewer stages")
+    size, extra = divmod(len(layers), stages)
+    cuts, start = [], 0
+    for stage in range(stages):
+        end = start + size + (stage < extra)
+        cuts.append(layers[start:end])
+        start = end
+    return "|".join(cuts)
 
 
 # --- the data ----------------------------------------------------------------------------------
@@ -256,6 +292,7 @@ def model_parallel(layout, seed):
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=layout["tp"], context_parallel_size=layout["cp"],
+        pipeline_model_parallel_size=layout.get("pp") or 1,
         expert_model_parallel_size=layout.get("ep") or 1, expert_tensor_parallel_size=layout.get("etp"),
     )
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
@@ -270,13 +307,14 @@ def run_cases(plan, jobs):
 
     import mtp_overlay
 
+    from . import pipeline
     from .megatron_step import MegatronStep
     from .packed import record_mtp
     from .parity import run_step
 
     out = []
     for layout, cases in jobs:
-        spec = dict(tp=1, cp=1, ep=1, etp=None, sp=False) if layout == "reference" else layout
+        spec = dict(tp=1, cp=1, pp=1, ep=1, etp=None, sp=False) if layout == "reference" else layout
         model_parallel(spec, plan["seed"])
         mtp_overlay.uninstall()  # every model is built by stock megatron-core
         try:
@@ -297,6 +335,8 @@ def run_cases(plan, jobs):
                 result, error = run_step(step, buffers, batch, fixes, labels=plan["forward"] == "sft",
                                          mtp_mask=route, loss=LOSSES[plan["loss"]][0])
             trained = None if error else positions(records, batch, slots)
+            if pipeline.size() > 1:  # the MTP block runs on the last stage: its positions, on every stage
+                trained = pipeline.broadcast_from_last_stage(trained)
             out.append(dict(layout=layout, case=name, fixes=list(fixes), error=error, step=result, trained=trained,
                             **facts))
         del step, model
@@ -476,7 +516,7 @@ def layout_name(layout):
     """"TP2xCP2+SP", "EP2", "TP1" ... of a layout dict (or "reference")."""
     if layout == "reference":
         return "the reference (each sequence alone, TP1)"
-    parts = [f"{key.upper()}{layout[key]}" for key in ("tp", "cp", "ep") if (layout.get(key) or 1) > 1]
+    parts = [f"{key.upper()}{layout[key]}" for key in ("tp", "cp", "ep", "pp") if (layout.get(key) or 1) > 1]
     return "x".join(parts or ["TP1"]) + ("+SP" if layout.get("sp") else "")
 
 

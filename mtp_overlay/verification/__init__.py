@@ -13,9 +13,8 @@ depth may train, from the tokens and the mask alone), names the fixes the config
 case that shows why, and marks a difference the overlay leaves as a possible new defect with the
 smallest layout that still shows it (the engine reruns the overlay on each smaller layout).
 
-Not run, and said so in the report: pipeline stages (the test bed builds stages of the models it
-builds itself, not yet of a provider's) and layouts above ``max_ranks`` processes (the largest smaller
-layout that fits runs instead). Data-parallel ranks get the same microbatch.
+Not run, and said so in the report: layouts above ``max_ranks`` processes (the largest smaller layout
+that fits runs instead). Data-parallel ranks get the same microbatch.
 """
 
 from __future__ import annotations
@@ -157,7 +156,7 @@ def verify(
         reference=judged_as(reference_row, None, None),
         stock=judged[0], overlay=judged[1], ablations=tuple(judged[2:]), search=tuple(searched),
         needs=_report.needs(judged[1], judged[2:], symptoms(fixes)), not_run=tuple(not_run),
-        notes=tuple(notes(run_layout, loss, shrunk)), phases=tuple(phases), tolerance=tolerance,
+        notes=tuple(notes(run_layout, loss, shrunk, packing, pad_multiple)), phases=tuple(phases), tolerance=tolerance,
     )
 
 
@@ -196,9 +195,12 @@ def _plan(shrunk: Shrunk, sample: _data.Sample, name: str, *, loss: str, forward
     )
 
 
-def notes(layout: Layout, loss: str, shrunk: Shrunk) -> list[str]:
+def notes(layout: Layout, loss: str, shrunk: Shrunk, packing: str, pad_multiple: int | None) -> list[str]:
     """What a reader of the report must know about how this run relates to the real one."""
     found = []
+    if packing == "thd-real-lengths" and (pad_multiple or nemo_rl_multiple(layout)) == 1:
+        found.append("NeMo-RL pads packed sequences to a multiple of 1 at this layout: the real and the padded "
+                     "boundaries coincide (give --pad-multiple to verify a packer that pads)")
     cores = os.cpu_count() or 1
     if layout.world_size > cores:
         found.append(f"{layout.world_size} ranks on {cores} cores: oversubscribed (slower, the same numbers)")
@@ -217,23 +219,17 @@ def notes(layout: Layout, loss: str, shrunk: Shrunk) -> list[str]:
 
 
 def layout_to_run(layout: Layout, max_ranks: int) -> tuple[Layout, list[str]]:
-    """The layout verify runs for ``layout``, and what it does not run, in words: pipeline stages (the
-    test bed builds stages of the models it builds itself, ``testing/pipeline.py``, not yet of a
-    provider's: one stage runs), and a world size above ``max_ranks`` (the largest smaller layout that
-    fits runs instead: the sizes between are not exact stand-ins, so they are named as not run)."""
-    run, not_run = layout.without_pipeline(), []
-    if layout.pp > 1:
-        not_run.append(f"PP{layout.pp}: the test bed builds pipeline stages of the models it builds itself "
-                       f"(testing/pipeline.py), not yet of a Bridge provider's; {run.name} ran on one stage")
-    if run.world_size > max_ranks:
-        fitting = [small for small in run.smaller() if small.world_size <= max_ranks]
-        # the most ranks, then the most dimensions kept parallel (CP2 x TP4 shows more than TP8 alone)
-        instead = max(fitting, key=lambda small: (small.world_size, sum(size > 1 for size in (small.tp, small.cp,
-                                                                                              small.ep)), small.cp))
-        not_run.append(f"{run.name}: {run.world_size} ranks, above --max-ranks {max_ranks}; {instead.name} ran "
-                       "instead (a smaller size of a dimension is not an exact stand-in for the larger)")
-        run = instead
-    return run, not_run
+    """The layout verify runs for ``layout``, and what it does not run, in words: a world size above
+    ``max_ranks`` runs the largest smaller layout that fits instead (a smaller size of a dimension is not
+    an exact stand-in for the larger, so the asked one is named as not run)."""
+    if layout.world_size <= max_ranks:
+        return layout, []
+    fitting = [small for small in layout.smaller() if small.world_size <= max_ranks]
+    # the most ranks, then the most dimensions kept parallel (CP2 x TP4 shows more than TP8 alone)
+    instead = max(fitting, key=lambda small: (small.world_size, sum(size > 1 for size in (small.tp, small.cp, small.pp,
+                                                                                          small.ep)), small.cp))
+    return instead, [f"{layout.name}: {layout.world_size} ranks, above --max-ranks {max_ranks}; {instead.name} ran "
+                     "instead (a smaller size of a dimension is not an exact stand-in for the larger)"]
 
 
 def megatron_core_fixes() -> list[str]:

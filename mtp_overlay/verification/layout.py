@@ -70,26 +70,22 @@ class Layout:
         return "x".join(parts or ["TP1"]) + ("+SP" if self.sp else "")
 
     def as_dict(self) -> dict[str, object]:
-        """What the engine reads: tp, cp, ep, etp, sp (pipeline stages are not run: see `without_pipeline`)."""
-        return dict(tp=self.tp, cp=self.cp, ep=self.ep, etp=self.etp, sp=self.sp)
-
-    def without_pipeline(self) -> Layout:
-        """This layout on one pipeline stage: the same ranks per stage (a given world size divided by PP)."""
-        return dataclasses.replace(self, pp=1, world=None if self.world is None else self.world // self.pp)
+        """What the engine reads: tp, cp, pp, ep, etp, sp."""
+        return dict(tp=self.tp, cp=self.cp, pp=self.pp, ep=self.ep, etp=self.etp, sp=self.sp)
 
     def smaller(self) -> list[Layout]:
         """Every layout with each size a divisor of this one's (sequence parallelism kept where TP > 1),
         this one left out, smallest world size first: where a difference may show with fewer ranks."""
         found = set()
+        itself = dataclasses.replace(self, world=None)
         for tp in _divisors(self.tp):
             for cp in _divisors(self.cp):
-                for ep in _divisors(self.ep):
-                    etp = None if self.etp is None else min(self.etp, tp)
-                    if etp is not None and ep == 1:
-                        etp = None
-                    candidate = Layout(tp=tp, cp=cp, ep=ep, etp=etp, sp=self.sp and tp > 1)
-                    if candidate != self.without_pipeline():
-                        found.add(candidate)
+                for pp in _divisors(self.pp):
+                    for ep in _divisors(self.ep):
+                        etp = None if self.etp is None or ep == 1 else min(self.etp, tp)
+                        candidate = Layout(tp=tp, cp=cp, ep=ep, etp=etp, pp=pp, sp=self.sp and tp > 1)
+                        if candidate != itself:
+                            found.add(candidate)
         return sorted(found, key=lambda layout: (layout.world_size, layout.tp * layout.cp, layout.name))
 
 

@@ -206,7 +206,7 @@ def shrink(values: Mapping[str, object], layout: Layout, *, keyspace: str = "hf"
     if vocab > VOCAB:
         config.set("vocab", VOCAB, "CPU size (each sample sequence draws distinct tokens from it)")
         vocab = VOCAB
-    built_pattern = _shrink_pattern(config, pattern, layers, kept)
+    built_pattern = _shrink_pattern(config, pattern, layers, kept, layout.pp)
     if mtp_pattern is not None:
         kept.append(("MTP pattern", mtp_pattern))
     repeated = config.get("repeated_layer")
@@ -416,29 +416,34 @@ def _mtp(config: _Config, depth: int | None, repeated: bool | None, mtp_pattern:
     return found
 
 
-def _shrink_pattern(config: _Config, pattern: str | None, layers: str, kept: list[tuple[str, object]]) -> str | None:
-    """The layer pattern (or a GPT config's layer count / layer kinds) as ``layers`` keeps it."""
+def _shrink_pattern(config: _Config, pattern: str | None, layers: str, kept: list[tuple[str, object]],
+                    stages: int) -> str | None:
+    """The layer pattern (or a GPT config's layer count / layer kinds) as ``layers`` keeps it, with at
+    least one layer per pipeline stage (a GPT stack: the same number on every stage); a pattern's own
+    stage marks (``|``) are dropped: the engine cuts the shrunk pattern into the layout's stages."""
     if pattern is not None:
-        if "|" in pattern:
-            raise ValueError("the config's layer pattern holds pipeline stages ('|'): verify runs one stage")
-        new = pattern if _whole(layers, len(pattern)) else distinct_runs(pattern)
-        how = "every layer" if new == pattern else f"every distinct run ({len(pattern)} layers -> {len(new)})"
+        layers_only = pattern.replace("|", "")
+        new = layers_only if _whole(layers, len(layers_only)) else distinct_runs(layers_only)
+        new *= -(-stages // len(new))  # repeated until every stage has a layer
+        how = "every layer" if new == layers_only else f"every distinct run ({len(layers_only)} layers -> {len(new)})"
         kept.append(("layer pattern", f"{new!r} ({how})"))
-        if new != pattern:
-            if config.keyspace == "hf" and config.get("pattern") is None:
-                key = next(key for key in LIST_KEYS["pattern"] if isinstance(config.values.get(key), list))
-                config.set("pattern", [LAYER_NAMES[symbol] for symbol in new], "every distinct run", key=key)
-            else:
-                config.set("pattern", new, "every distinct run of one layer kind, at most "
-                                           f"{RUN_CAP} long, in order of first appearance")
-            if config.number("layers") is not None:
-                config.set("layers", len(new), "the pattern's length")
+        why = "every distinct run of one layer kind, at most " f"{RUN_CAP} long, in order of first appearance" \
+            if new != layers_only else "without its pipeline stage marks"
+        if config.keyspace == "hf" and config.get("pattern") is None:
+            key = next(key for key in LIST_KEYS["pattern"] if isinstance(config.values.get(key), list))
+            config.set("pattern", [LAYER_NAMES[symbol] for symbol in new], why, key=key)
+        else:
+            config.set("pattern", new, why)
+        if config.number("layers") is not None:
+            config.set("layers", len(new), "the pattern's length")
         return new
     count = config.number("layers")
     if count is None:
         return None
     kinds: list[object] = _listed(config, "pattern") or ["layer"] * count
     new_kinds = kinds if _whole(layers, count) else _runs(kinds)
+    if len(new_kinds) % stages:  # megatron-core splits a GPT stack evenly over the stages
+        new_kinds += [new_kinds[-1]] * (stages - len(new_kinds) % stages)
     if len(new_kinds) != count:
         config.set("layers", len(new_kinds), f"every distinct run of the {count} layers")
         listed = next((key for key in LIST_KEYS["pattern"] if isinstance(config.values.get(key), list)), None)

@@ -56,6 +56,14 @@ def test_the_engines_microbatch_holds_the_products_sequences_where_its_slot_map_
                            else params.cu_seqlens_q_padded.long())
 
 
+@pytest.mark.parametrize("pattern, stages, staged", [("ME*-", 2, "ME|*-"), ("ME*", 2, "ME|*"), ("M*E-M", 3, "M*|E-|M"),
+                                                     ("M|E*", 1, "ME*")])
+def test_a_hybrid_pattern_is_cut_into_one_segment_per_stage(pattern, stages, staged):
+    from mtp_overlay.testing.verify import staged_pattern
+
+    assert staged_pattern(pattern, stages) == staged
+
+
 def test_the_engine_answers_a_bad_request_without_starting_ranks():
     """The child process's protocol: a JSON line in, a JSON line out, an error as its message."""
     from mtp_overlay.verification.engine import ChildEngine
@@ -134,3 +142,24 @@ def test_every_family_the_test_bed_builds_verifies_and_what_it_cannot_build_is_n
     (tmp_path / "gpt2" / "config.json").write_text(json.dumps(gpt2))
     with pytest.raises(ValueError, match="Megatron-Bridge .* cannot build this config"):
         verification.verify(tmp_path / "gpt2", engine=engine())
+
+
+@pytest.mark.slow
+@needs_bridge
+def test_pipeline_stages_through_megatrons_pipelined_schedule(tmp_path):
+    """PP2 (the NemotronH folder's pattern cut into two stages, MTP on the last; each stage holding the
+    weights of the model without stages): with the packer's padding of 4, real lengths need
+    mtp-packed-roll, and the overlay equals both references; tied embeddings under PP are refused,
+    naming --pp."""
+    report = verification.verify(CONFIG, pp=2, packing="thd-real-lengths", pad_multiple=4, engine=engine(),
+                                 search=False)
+    assert report.ok and report.layout == "PP2", report.text()
+    assert [need.fix for need in report.needs] == ["mtp-packed-roll"]
+    recipe = tmp_path / "tied.py"
+    recipe.write_text(
+        "def provider():\n"
+        "    from megatron.bridge.models.gpt_provider import GPTModelProvider\n"
+        "    return GPTModelProvider(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=128,\n"
+        "                            seq_length=64, mtp_num_layers=1, share_embeddings_and_output_weights=True)\n")
+    with pytest.raises(ValueError, match="--pp 2 with tied embeddings"):
+        verification.verify(provider=f"{recipe}:provider", pp=2, engine=engine())
