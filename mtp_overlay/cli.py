@@ -70,7 +70,8 @@ def _verify(args: argparse.Namespace) -> int:
             args.hf_config, provider=args.provider, tp=args.tp, cp=args.cp, ep=args.ep, etp=args.etp, pp=args.pp,
             sp=args.sp, world_size=args.world_size, packing=args.packing, loss=args.loss, forward=args.forward,
             mtp_mask=args.mtp_mask, mtp_num_layers=args.mtp_num_layers, repeated_layer=args.repeated_layer,
-            scatter_embedding=args.scatter_embedding, layers=args.layers, data=args.data, pad_multiple=args.pad_multiple,
+            scatter_embedding=args.scatter_embedding, layers=args.layers, data=args.data,
+            pad_multiple=args.pad_multiple,
             tolerance=args.tolerance, max_ranks=args.max_ranks, search=not args.no_search, log=args.log,
         )
     except RuntimeError as exc:  # the test bed could not run at all: not a verdict on the overlay
@@ -96,7 +97,8 @@ def _add_verify(commands: "argparse._SubParsersAction[argparse.ArgumentParser]")
                     "sequence run alone (TP1, unpacked) and to the positions the mask allows. Exit 0: the "
                     "overlay's MTP training equals the references; 1: it differs; 2: bad input.")
     source = verify.add_mutually_exclusive_group(required=True)
-    source.add_argument("--hf-config", metavar="PATH", help="a Hugging Face config: a folder with config.json, or the file")
+    source.add_argument("--hf-config", metavar="PATH",
+                        help="a Hugging Face config: a folder with config.json, or the file")
     source.add_argument("--provider", metavar="MODULE:NAME",
                         help="a Megatron-Bridge provider, its class, or a function returning one or a recipe's "
                              "ConfigContainer (MODULE:NAME or FILE.py:NAME)")
@@ -123,7 +125,8 @@ def _add_verify(commands: "argparse._SubParsersAction[argparse.ArgumentParser]")
     verify.add_argument("--layers", choices=("auto", "all", "runs"), default="auto",
                         help="keep every layer (all), every distinct run of one layer kind (runs), or all up to "
                              "16 layers (auto, default)")
-    verify.add_argument("--data", metavar="JSONL", help='a sample of your data: one {"tokens": N, "prompt": P} per line')
+    verify.add_argument("--data", metavar="JSONL",
+                        help='a sample of your data: one {"tokens": N, "prompt": P} per line')
     verify.add_argument("--pad-multiple", type=int, help="your packer's per-sequence padding (default NeMo-RL's)")
     verify.add_argument("--tolerance", type=float, default=1e-4, help="largest relative error that counts as equal")
     verify.add_argument("--max-ranks", type=int, default=8, help="most processes to start (default 8)")

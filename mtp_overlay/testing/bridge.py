@@ -166,8 +166,8 @@ def build_provided(provider, *, seed=1234, sequence_parallel=False, scatter_embe
                    recipe=None):
     """The model a Bridge ``provider`` (not finalized: straight from ``to_megatron_provider`` or a
     recipe) builds for this rank, with the test bed's overrides (`build_bridge_model`): this rank's
-    TP / CP / PP (its stage; and, with MoE layers, expert) parallel sizes, CPU initialisation, no dropout, without TE
-    local specs; ``recipe`` fields on top. A HybridModelProvider without the scatter field is
+    TP / CP / PP (its stage; and, with MoE layers, expert) parallel sizes, CPU initialisation, no
+    dropout, without TE local specs; ``recipe`` fields on top. A HybridModelProvider without the scatter field is
     re-declared with it (`HybridModelProviderWithScatterOption`) when the embedding must not scatter.
     """
     import torch

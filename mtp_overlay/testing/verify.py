@@ -18,8 +18,9 @@ initialised again, the rest data parallel, fed the same microbatch: a replica's 
 single rank's), builds the model anew with Megatron-Bridge's provider from one seed with the test
 bed's CPU settings (`bridge.build_provided`; stock megatron-core; under PP each stage holding the
 weights of the model without stages, `pipeline.build_stage`, the MTP block's positions sent from the
-last stage), and runs each case with exactly its fixes installed. A config the test bed cannot build answers ``{"error": ...}`` naming what is missing
-(`PlanError`); anything else that fails answers the error with its traceback and the ranks' log.
+last stage), and runs each case with exactly its fixes installed. A config the test bed cannot build
+answers ``{"error": ...}`` naming what is missing (`PlanError`); anything else that fails answers the
+error with its traceback and the ranks' log.
 """
 
 import importlib
@@ -66,7 +67,8 @@ def provider_of(model):
         except ValueError as error:
             import megatron.bridge
 
-            raise PlanError(f"Megatron-Bridge {megatron.bridge.__version__} cannot build this config: {error}") from None
+            version = megatron.bridge.__version__
+            raise PlanError(f"Megatron-Bridge {version} cannot build this config: {error}") from None
         provider = bridge.to_megatron_provider(load_weights=False)
     else:
         provider = resolve_provider(model["path"])
@@ -156,7 +158,8 @@ def check_buildable(provider):
             missing.append(f"layer {symbol!r} ({UNSUPPORTED.get(symbol, 'unknown')}) in {name} {pattern!r}")
     dispatcher = getattr(provider, "moe_token_dispatcher_type", None)
     if getattr(provider, "num_moe_experts", None) and dispatcher not in ("allgather", "alltoall"):
-        missing.append(f"MoE token dispatcher {dispatcher!r} (DeepEP/HybridEP kernels): allgather and alltoall run on CPU")
+        missing.append(f"MoE token dispatcher {dispatcher!r} (DeepEP/HybridEP kernels): allgather and alltoall "
+                       "run on CPU")
     if getattr(provider, "experimental_attention_variant", None):
         missing.append(f"attention variant {provider.experimental_attention_variant!r}")
     if missing:

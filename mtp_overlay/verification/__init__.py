@@ -134,7 +134,8 @@ def verify(
         phases.append((f"{run_layout.name}: {len(cases)} steps", _seconds(second)))
         depths = shrunk.mtp_depth
 
-        def judged_as(answer: dict[str, object], where: Layout | None, reference: dict[str, object] | None) -> _report.Case:
+        def judged_as(answer: dict[str, object], where: Layout | None,
+                      reference: dict[str, object] | None) -> _report.Case:
             named = dict(answer, layout_name=where.name if where is not None else "TP1, each sequence alone")
             return _report.judge_case(named, sample, reference, forward, depths, tolerance)
 

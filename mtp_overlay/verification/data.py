@@ -75,8 +75,8 @@ def read_sample(path: str | os.PathLike[str]) -> list[tuple[int, int]]:
         tokens, prompt = record["tokens"], record.get("prompt", 0)
         for key, value in (("tokens", tokens), ("prompt", prompt)):
             if not isinstance(value, int) or isinstance(value, bool) or value < (1 if key == "tokens" else 0):
-                raise ValueError(f"--data {name}:{number}: {key} must be a {'positive' if key == 'tokens' else 'non-negative'} "
-                                 f"integer, got {value!r}")
+                kind = "positive" if key == "tokens" else "non-negative"
+                raise ValueError(f"--data {name}:{number}: {key} must be a {kind} integer, got {value!r}")
         if prompt > tokens:
             raise ValueError(f"--data {name}:{number}: prompt {prompt} is longer than the sequence's {tokens} tokens")
         pairs.append((tokens, prompt))

@@ -118,7 +118,8 @@ class Need:
         text = "; ".join(self.case.problems())
         if self.deeper is not None:
             others = sorted(set(self.case.fixes) - set(self.deeper.fixes))
-            text += f"; without {', '.join(others)} too: " + ("; ".join(self.deeper.problems()) or "equals the references")
+            found = "; ".join(self.deeper.problems()) or "equals the references"
+            text += f"; without {', '.join(others)} too: {found}"
         return text
 
 
@@ -190,8 +191,9 @@ class Report:
         if self.built:
             lines += ["built (Megatron-Bridge's provider, stock megatron-core):",
                       "   " + ", ".join(f"{k} {v}" for k, v in self.built.items())]
+        sequences = _dicts(self.sample.get("sequences"))
         lines += [f"data: {self.sample.get('source')}; {self.sample.get('note')}: "
-                  + ", ".join(f"{s['tokens']} tokens (prompt {s['prompt']})" for s in _dicts(self.sample.get("sequences")))]
+                  + ", ".join(f"{s['tokens']} tokens (prompt {s['prompt']})" for s in sequences)]
         lines += ["", table(self), ""]
         lines += ["per MTP depth (pairs: (sequence, position, target); positions in the sequence, padding at or past "
                   "its length):"]

@@ -55,7 +55,8 @@ def test_a_layout_the_world_size_cannot_hold(capsys):
 def test_cp_that_does_not_divide_the_padded_lengths(capsys):
     code, err = run(capsys, "--hf-config", str(CONFIG), "--cp", "2", "--pad-multiple", "2")
     assert code == 2
-    assert "--cp 2 cuts each sequence into 2·CP = 4 chunks, but --pad-multiple 2 pads sequence 0 (9 tokens) to 10" in err
+    assert "--cp 2 cuts each sequence into 2·CP = 4 chunks, but --pad-multiple 2 pads sequence 0 (9 tokens) to 10" \
+        in err
     code, err = run(capsys, "--hf-config", str(CONFIG), "--cp", "2", "--pad-multiple", "5", "--packing", "none")
     assert code == 2 and "--cp 2 cuts each row into 2·CP = 4 chunks" in err
 

@@ -34,7 +34,8 @@ def megatron_refusals(values, layout):
         local_heads, local_groups = mamba // layout.tp, mamba_groups // layout.tp
         if mamba % layout.tp or mamba_groups % layout.tp or mamba % mamba_groups or local_heads % layout.cp:
             found.append("mamba heads")
-        elif (local_groups < layout.cp and layout.cp % local_groups) or (local_groups >= layout.cp and local_groups % layout.cp):
+        elif (local_groups < layout.cp and layout.cp % local_groups) or \
+                (local_groups >= layout.cp and local_groups % layout.cp):
             found.append("mamba groups")
     return found
 
@@ -103,7 +104,8 @@ def test_the_pattern_as_a_list_of_layer_names_is_read_and_written_as_such():
     listed["layers_block_type"] = [names[s] for s in listed.pop("hybrid_override_pattern")]
     listed["mtp_layers_block_type"] = [names[s] for s in listed.pop("mtp_hybrid_override_pattern")]
     shrunk = shrink(listed, Layout())
-    assert shrunk.values["layers_block_type"] == [names[s] for s in distinct_runs(NEMOTRON_H["hybrid_override_pattern"])]
+    runs = distinct_runs(NEMOTRON_H["hybrid_override_pattern"])
+    assert shrunk.values["layers_block_type"] == [names[s] for s in runs]
     assert shrunk.mtp_pattern == "*E" and "hybrid_override_pattern" not in shrunk.values
 
 
@@ -151,7 +153,8 @@ def test_what_verify_does_not_run_is_said():
     from mtp_overlay.verification import layout_to_run
 
     run, not_run = layout_to_run(Layout(tp=8, cp=4, sp=True), 8)
-    assert run.name == "TP2xCP4+SP" and "TP8xCP4+SP: 32 ranks, above --max-ranks 8; TP2xCP4+SP ran instead" in not_run[0]
+    assert run.name == "TP2xCP4+SP"
+    assert "TP8xCP4+SP: 32 ranks, above --max-ranks 8; TP2xCP4+SP ran instead" in not_run[0]
     assert layout_to_run(Layout(tp=2, pp=2, sp=True, world=8), 8) == (Layout(tp=2, pp=2, sp=True, world=8), [])
     assert layout_to_run(Layout(tp=2, cp=2, sp=True), 8) == (Layout(tp=2, cp=2, sp=True), [])
 

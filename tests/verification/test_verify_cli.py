@@ -44,7 +44,8 @@ def planted_site(folder):
     path = site / PLANTED
     source = path.read_text()
     assert source.count(BEFORE) == 1 and source.count("    process_mtp_loss,\n)") == 1
-    path.write_text(source.replace(BEFORE, AFTER).replace("    process_mtp_loss,\n)", "    process_mtp_loss,\n    roll_tensor,\n)"))
+    imports = ("    process_mtp_loss,\n)", "    process_mtp_loss,\n    roll_tensor,\n)")
+    path.write_text(source.replace(BEFORE, AFTER).replace(*imports))
     return site
 
 
