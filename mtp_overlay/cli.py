@@ -62,6 +62,80 @@ def _demo(args: argparse.Namespace) -> int:
     return demo.main()
 
 
+def _verify(args: argparse.Namespace) -> int:
+    from .verification import verify
+
+    try:
+        report = verify(
+            args.hf_config, provider=args.provider, tp=args.tp, cp=args.cp, ep=args.ep, etp=args.etp, pp=args.pp,
+            sp=args.sp, world_size=args.world_size, packing=args.packing, loss=args.loss, forward=args.forward,
+            mtp_mask=args.mtp_mask, mtp_num_layers=args.mtp_num_layers, repeated_layer=args.repeated_layer,
+            scatter_embedding=args.scatter_embedding, layers=args.layers, data=args.data,
+            pad_multiple=args.pad_multiple,
+            tolerance=args.tolerance, max_ranks=args.max_ranks, search=not args.no_search, log=args.log,
+        )
+    except RuntimeError as exc:  # the test bed could not run at all: not a verdict on the overlay
+        print(f"mtp-overlay verify: could not run: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(report.as_dict(), indent=2) if args.json else report.text())
+    return report.exit_code
+
+
+def _on_off(value: str) -> bool:
+    if value not in ("on", "off"):
+        raise argparse.ArgumentTypeError(f"must be on or off, got {value!r}")
+    return value == "on"
+
+
+def _add_verify(commands: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+    from . import verification
+
+    verify = commands.add_parser(
+        "verify", help="prove on CPU that your config and layout train the MTP head on the right tokens",
+        description="Shrink your model config to CPU size (keeping its shape), run your layout on gloo ranks "
+                    "through Megatron's own step, stock and with the overlay, and hold every step to each "
+                    "sequence run alone (TP1, unpacked) and to the positions the mask allows. Exit 0: the "
+                    "overlay's MTP training equals the references; 1: it differs; 2: bad input.")
+    source = verify.add_mutually_exclusive_group(required=True)
+    source.add_argument("--hf-config", metavar="PATH",
+                        help="a Hugging Face config: a folder with config.json, or the file")
+    source.add_argument("--provider", metavar="MODULE:NAME",
+                        help="a Megatron-Bridge provider, its class, or a function returning one or a recipe's "
+                             "ConfigContainer (MODULE:NAME or FILE.py:NAME)")
+    for flag, what in (("--tp", "tensor"), ("--cp", "context"), ("--ep", "expert"), ("--pp", "pipeline")):
+        verify.add_argument(flag, type=int, default=1, help=f"{what}-parallel size (default 1)")
+    verify.add_argument("--etp", type=int, help="expert tensor-parallel size (default: megatron-core's, the TP size)")
+    verify.add_argument("--sp", action="store_true", help="sequence parallelism (needs --tp > 1)")
+    verify.add_argument("--world-size", type=int, help="ranks (default: the fewest that hold the layout)")
+    verify.add_argument("--packing", choices=verification.PACKINGS, default="thd-padded",
+                        help="none (BSHD rows), thd-padded (NeMo-RL's default: cu_seqlens_q padded) or "
+                             "thd-real-lengths (real lengths in cu_seqlens_q); default thd-padded")
+    verify.add_argument("--loss", choices=verification.LOSSES, default="per-token",
+                        help="per-token (calculate_per_token_loss), 2-output or 3-output; default per-token")
+    verify.add_argument("--forward", choices=("rl", "sft"), default="rl",
+                        help="rl: no labels, Megatron derives the MTP labels (default); sft: labels passed")
+    verify.add_argument("--mtp-mask", choices=verification.MASKS, default="passed",
+                        help="how the trainer gives the MTP head its mask: passed as loss_mask (default) or "
+                             "scoped with mtp_overlay.mtp.loss_mask_scope")
+    verify.add_argument("--mtp-num-layers", type=int, help="MTP depth (default: the config's)")
+    verify.add_argument("--repeated-layer", type=_on_off, metavar="{on,off}",
+                        help="one MTP layer repeated at every depth (default: the config's, or Bridge's)")
+    verify.add_argument("--scatter-embedding", type=_on_off, metavar="{on,off}",
+                        help="scatter_embedding_sequence_parallel (default: the config's, or the provider's)")
+    verify.add_argument("--layers", choices=("auto", "all", "runs"), default="auto",
+                        help="keep every layer (all), every distinct run of one layer kind (runs), or all up to "
+                             "16 layers (auto, default)")
+    verify.add_argument("--data", metavar="JSONL",
+                        help='a sample of your data: one {"tokens": N, "prompt": P} per line')
+    verify.add_argument("--pad-multiple", type=int, help="your packer's per-sequence padding (default NeMo-RL's)")
+    verify.add_argument("--tolerance", type=float, default=1e-4, help="largest relative error that counts as equal")
+    verify.add_argument("--max-ranks", type=int, default=8, help="most processes to start (default 8)")
+    verify.add_argument("--no-search", action="store_true", help="do not look for the smallest layout of a difference")
+    verify.add_argument("--log", help="file for the ranks' output (default: a temporary file)")
+    verify.add_argument("--json", action="store_true", help="the report as JSON (for CI)")
+    verify.set_defaults(run=_verify)
+
+
 def _new_fix(args: argparse.Namespace) -> int:
     from . import scaffold
 
@@ -98,6 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
                          help="a module whose import installs the fix, named by its role (repeatable; at least one)")
     new_fix.add_argument("--summary", help="what the fix does, one line (default: a placeholder to edit)")
     new_fix.set_defaults(run=_new_fix)
+    _add_verify(commands)
     patch_command.add_parser(commands)
     startup.add_parser(commands)
     return parser
@@ -112,7 +187,7 @@ def main(argv: "list[str] | None" = None) -> int:
 
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
         return 1
-    except (ValueError, OSError) as exc:  # bad names, paths, permissions: usage, not a crash
+    except (ValueError, OSError) as exc:  # bad names, paths, permissions, configs: usage, not a crash
         print(f"mtp-overlay {args.command}: {exc}", file=sys.stderr)
         return 2
 
