@@ -62,9 +62,14 @@ Megatron-Bridge 0.6 on a machine without Transformer Engine (scoped, used by ``t
   block runs, that one import statement of that one module gets a stand-in object; every other
   importer, megatron-core's own ``HAVE_TE`` probes included, still finds no TE, and nothing enters
   ``sys.modules``.
-* ``bridge_omni_local_specs()``: ``NemotronOmniModelProvider.provide()`` builds its LLaVAModel from
-  megatron-core's TE hybrid-stack and ViT specs, imported by name: inside the block those names are
-  local specs (used by ``testing.tiny_llava.build_bridge_omni``).
+* ``bridge_vl_local_specs()``: ``NemotronOmniModelProvider.provide()`` and the dense
+  ``NemotronVLModelProvider.provide()`` build their LLaVAModel from megatron-core's TE hybrid-stack and
+  ViT specs, imported by name: inside the block those names are local specs (used by
+  ``testing.tiny_llava.build_bridge_omni`` and ``build_bridge_vl``).
+* ``bridge_vl_clip_vision(substituted)``: the RADIO ViT those providers build runs images only through
+  its dynamic-resolution packed (THD, non-causal) attention, which has no CPU stand-in: inside the
+  block their ``LLaVAModel(...)`` call gets a one-layer CLIP ViT instead (`CLIP_VISION`), every other
+  argument as Bridge passes it (used by ``testing.tiny_llava.build_bridge_vl``).
 * ``bridge_local_mtp_spec()``: ``GPTModelProvider.provide()`` builds its MTP block through
   ``gpt_provider.mtp_block_spec``, which calls ``get_gpt_mtp_block_spec(..., use_transformer_engine=True)``
   whatever the layer spec: inside the block that call builds the local (non-TE) MTP spec.
@@ -1192,24 +1197,91 @@ def _te_1_10_min_version(version, check_equality=True):
 
 
 @contextlib.contextmanager
-def bridge_omni_local_specs():
-    """Inside the block, Megatron-Bridge 0.6.2's ``NemotronOmniModelProvider.provide()`` builds local specs.
+def bridge_vl_local_specs():
+    """Inside the block, Megatron-Bridge 0.6.2's Nemotron VL and Omni providers build local specs.
 
     ``megatron/bridge/models/nemotron_omni/nemotron_omni_provider.py`` imports megatron-core's TE
     ``hybrid_stack_spec`` (line 23) and ``get_vit_layer_with_transformer_engine_spec`` (line 26) and
-    uses them whatever the provider says (lines 309-310): in the block those two names are the test
-    bed's local hybrid stack spec (``tiny_hybrid.local_hybrid_stack_spec()``) and megatron-core's
+    uses them whatever the provider says (lines 309-310); the dense VL provider does the same
+    (``nemotron_vl/nemotron_vl_provider.py:20,22``, used at :323-324): in the block those names are the
+    test bed's local hybrid stack spec (``tiny_hybrid.local_hybrid_stack_spec()``) and megatron-core's
     ``get_vit_layer_with_local_spec``.
     """
     from megatron.bridge.models.nemotron_omni import nemotron_omni_provider
+    from megatron.bridge.models.nemotron_vl import nemotron_vl_provider
     from megatron.core.models.vision.vit_layer_specs import get_vit_layer_with_local_spec
 
     from .tiny_hybrid import local_hybrid_stack_spec
 
-    with swapped([
-        Shim(nemotron_omni_provider, "hybrid_stack_spec", local_hybrid_stack_spec()),
-        Shim(nemotron_omni_provider, "get_vit_layer_with_transformer_engine_spec", get_vit_layer_with_local_spec),
-    ]):
+    spec = local_hybrid_stack_spec()
+    with swapped([shim for module in (nemotron_omni_provider, nemotron_vl_provider) for shim in (
+        Shim(module, "hybrid_stack_spec", spec),
+        Shim(module, "get_vit_layer_with_transformer_engine_spec", get_vit_layer_with_local_spec),
+    )]):
+        yield
+
+
+# the vision tower ``bridge_vl_clip_vision`` builds: LLaVAModel arguments, then the ViT's config fields
+# (heads of 16 channels; at TP > 2 one head per TP rank), and the projector's FFN cap
+CLIP_VISION = dict(img_h=32, img_w=32, patch_dim=16, pixel_shuffle=False, dynamic_resolution=False)
+CLIP_LAYERS, CLIP_HEAD_DIM, CLIP_HEADS, PROJECTOR_FFN = 1, 16, 2, 128
+CLIP_WHY = {
+    "vision_model_type": "RADIO runs images only through its dynamic-resolution packed (THD, non-causal) vision "
+                         "attention, which has no CPU stand-in: megatron-core's CLIPViTModel (local spec) instead",
+    "img_h": "CPU size: 2 x 2 patches of 16", "img_w": "CPU size: 2 x 2 patches of 16", "patch_dim": "CPU size",
+    "dynamic_resolution": "CLIP tiles have one fixed size (no imgs_sizes, no vision packed_seq_params)",
+    "pixel_shuffle": "off: a shuffle of 2 x 2 patches would leave one embedding per image",
+    "vision": "CPU size", "projector": "CPU size",
+}
+
+
+@contextlib.contextmanager
+def bridge_vl_clip_vision(substituted):
+    """Inside the block, the Nemotron VL / Omni providers' ``LLaVAModel(...)`` gets a CLIP ViT for RADIO.
+
+    Megatron-Bridge 0.6.2 builds the vision tower of Nemotron VL and Omni as RADIO ViT-H
+    (``nemotron_omni_provider.py:333-372``, ``nemotron_vl_provider.py:327-354``: 32 layers, hidden 1280,
+    512 x 512 dynamic-resolution images, pixel shuffle). RADIO takes images only as packed
+    dynamic-resolution rows through non-causal THD attention (``llava_model.py:1081-1100``), which the
+    test bed's exact attention does not stand in for. In the block, ``LLaVAModel`` as those two provider
+    modules see it is megatron-core's own class called with Bridge's arguments except: the vision config
+    a copy of Bridge's with ``vision_model_type="clip"``, `CLIP_LAYERS` layer(s) of `CLIP_HEADS` heads
+    of `CLIP_HEAD_DIM` (at TP > 2 one head per TP rank), the `CLIP_VISION` arguments, and the
+    projector's FFN at most `PROJECTOR_FFN`. Bridge's class-token drop (``drop_vision_class_token=True``)
+    stays: a 32 x 32 image gives 4 embeddings. ``substituted`` (a list) gets one dict per changed value:
+    ``name``, ``bridge`` (what Bridge passed), ``built``, ``why``.
+    """
+    import copy
+
+    from megatron.bridge.models.nemotron_omni import nemotron_omni_provider
+    from megatron.bridge.models.nemotron_vl import nemotron_vl_provider
+    from megatron.core.models.multimodal.llava_model import LLaVAModel
+
+    def record(name, bridge, built, why):
+        if bridge != built:
+            substituted.append(dict(name=name, bridge=bridge, built=built, why=why))
+
+    def with_clip(**arguments):
+        vision = copy.deepcopy(arguments["vision_transformer_config"])
+        tp = vision.tensor_model_parallel_size
+        heads = max(CLIP_HEADS, tp)
+        sizes = dict(vision_model_type="clip", num_layers=CLIP_LAYERS, num_attention_heads=heads,
+                     num_query_groups=heads, kv_channels=CLIP_HEAD_DIM, hidden_size=heads * CLIP_HEAD_DIM,
+                     ffn_hidden_size=2 * heads * CLIP_HEAD_DIM)
+        for name, value in sizes.items():
+            record(f"vision.{name}", getattr(vision, name), value,
+                   CLIP_WHY["vision_model_type" if name == "vision_model_type" else "vision"])
+            setattr(vision, name, value)
+        projection = copy.deepcopy(arguments["vision_projection_config"])
+        ffn = min(projection.ffn_hidden_size, PROJECTOR_FFN)
+        record("vision_projection.ffn_hidden_size", projection.ffn_hidden_size, ffn, CLIP_WHY["projector"])
+        projection.ffn_hidden_size = ffn
+        for name, value in CLIP_VISION.items():
+            record(name, arguments.get(name), value, CLIP_WHY[name])
+        return LLaVAModel(**{**arguments, **CLIP_VISION, "vision_transformer_config": vision,
+                             "vision_projection_config": projection})
+
+    with swapped([Shim(module, "LLaVAModel", with_clip) for module in (nemotron_omni_provider, nemotron_vl_provider)]):
         yield
 
 

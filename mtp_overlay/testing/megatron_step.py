@@ -28,9 +28,11 @@ THD rows as NeMo-RL sends them (one [1, T] row with its ``packed_seq_params``, e
 CP-sharded in the 2*CP-chunk layout by ``mtp_overlay.mtp.cp_shard``). A model that slices CP itself
 (``model_slices_context_parallel_inputs``, the Nemotron Omni contract) gets the full rows.
 
-A multimodal microbatch also holds ``images`` (LLaVAModel's ``[num_images, 3, h, w]``): the model
-(megatron-core's ``LLaVAModel``, or ``tiny_llava.CombinedIdsReference``) gets the full-length text
-rows with their image placeholders and the images, builds the combined (text + image) sequence,
+A multimodal microbatch also holds ``images`` (LLaVAModel's ``[num_images, 3, h, w]``) and optionally
+``num_image_tiles`` (LLaVAModel's ``[num_images]`` int tensor): the model (megatron-core's ``LLaVAModel``,
+Megatron-Bridge's ``NemotronVLModel`` / ``NemotronOmniModel`` around one, or
+``tiny_llava.CombinedIdsReference``) gets the full-length text rows with their image placeholders, the
+images and their tile counts, builds the combined (text + image) sequence,
 slices it for CP/SP itself and returns ``(output, combined loss mask)``
 (``models/multimodal/llava_model.py:1278``): the loss function gets that mask.
 
@@ -49,7 +51,8 @@ forward that raises on one stage raises on every stage once the schedule is thro
 
 Call inside ``run_ranks`` workers (model parallelism initialised; on CPU the shims installed). The
 model is any built megatron-core language model with MTP (GPTModel, HybridModel, or a wrapper around
-one in ``.language_model``): the step only calls its forward and ``compute_language_model_loss``.
+one in ``.language_model``, or Bridge's VL wrapper around such a wrapper in ``.llava_model``): the step
+only calls its forward and ``compute_language_model_loss``.
 """
 
 import contextlib
@@ -65,6 +68,7 @@ GLOBAL_VALID_TOKENS = "global-valid-tokens"
 MICROBATCH_KEYS = ("input_ids", "labels", "position_ids", "loss_mask")
 PACKED = "packed_seq_params"
 IMAGES = "images"
+IMAGE_TILES = "num_image_tiles"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,14 +226,14 @@ class MegatronStep:
             loss_function = functools.partial(_zero_loss, loss_function)
         language_model = self.language_model
         last_stage = pipeline.stage()["post_process"]
-        uses = pipeline.stage_keys(language_model) | {PACKED, IMAGES}  # a multimodal model is never staged
+        uses = pipeline.stage_keys(language_model) | {PACKED, IMAGES, IMAGE_TILES}  # a multimodal model is never staged
         failures = pipeline.ForwardFailures(language_model)
 
         def forward_step(data_iterator, model):
             inputs, local, full_shape = next(data_iterator)
             inputs = {key: value if key in uses else None for key, value in inputs.items()}
             call = dict(input_ids=inputs["input_ids"], position_ids=inputs["position_ids"], attention_mask=None)
-            for key in (PACKED, IMAGES):
+            for key in (PACKED, IMAGES, IMAGE_TILES):
                 if inputs.get(key) is not None:
                     call[key] = inputs[key]
             scope = contextlib.nullcontext()
@@ -440,7 +444,7 @@ def check_step_arguments(microbatches, loss, labels, mtp_grad_scale, per_token, 
             if key == PACKED:
                 check_packed_microbatch(batch, index)
                 continue
-            if key == IMAGES:
+            if key in (IMAGES, IMAGE_TILES):
                 continue
             if not isinstance(value, torch.Tensor) or value.dim() != 2:
                 raise ValueError(f"microbatches[{index}][{key!r}] must be a [micro_batch_size, seq] tensor")
@@ -479,6 +483,11 @@ def check_multimodal_microbatches(microbatches, loss, labels, mtp_grad_scale):
         images = batch[IMAGES]
         if not isinstance(images, torch.Tensor) or images.dim() != 4:
             raise ValueError(f"microbatches[{index}][{IMAGES!r}] must be a [num_images, channels, h, w] tensor")
+        tiles = batch.get(IMAGE_TILES)
+        if tiles is not None and (not isinstance(tiles, torch.Tensor) or tuple(tiles.shape) != (images.shape[0],)
+                                  or tiles.dtype.is_floating_point):
+            raise ValueError(f"microbatches[{index}][{IMAGE_TILES!r}] must be an integer tensor of shape "
+                             f"[num_images] = ({images.shape[0]},), got {tiles!r:.80}")
         if batch.get(PACKED) is not None or batch.get("mtp_loss_mask") is not None:
             raise ValueError(f"microbatches[{index}]: a multimodal microbatch is BSHD, without an mtp_loss_mask")
 
@@ -532,9 +541,11 @@ def _prepare(batch, device, slices_cp):
 
 
 def _language_model(model):
-    """The megatron-core language model inside DDP and wrappers (``.module``, ``.language_model``)."""
-    while hasattr(model, "module") or hasattr(model, "language_model"):
-        model = model.module if hasattr(model, "module") else model.language_model
+    """The megatron-core language model inside DDP and wrappers (``.module``, ``.llava_model`` of
+    Megatron-Bridge's NemotronVLModel, ``.language_model``)."""
+    while any(hasattr(model, name) for name in ("module", "llava_model", "language_model")):
+        model = next(getattr(model, name) for name in ("module", "llava_model", "language_model")
+                     if hasattr(model, name))
     return model
 
 

@@ -177,7 +177,7 @@ def build_bridge_omni(*, seed=1234, hybrid_layer_pattern="*-*-", mtp_hybrid_over
     that ``_build_vision_config`` hard-codes (``nemotron_omni_provider.py:98-122``: 32 layers, hidden
     1280) shrunk in a subclass; ``language_model_type="nemotron5-hybrid"`` (the field defaults to
     ``""``, :70, which makes LLaVAModel build a GPTModel from the hybrid spec); the provider module's
-    TE specs swapped for local ones (``cpu_shims.bridge_omni_local_specs``) and the test bed's local
+    TE specs swapped for local ones (``cpu_shims.bridge_vl_local_specs``) and the test bed's local
     provider overrides (``bridge._local_overrides``: local attention, fusions off; the process-wide
     attention-backend variables are put back after the build, as ``parity`` does); and a
     ``sound_context_token_id`` no text token has: LLaVAModel treats every ``input_ids ==
@@ -218,9 +218,36 @@ def build_bridge_omni(*, seed=1234, hybrid_layer_pattern="*-*-", mtp_hybrid_over
     provider.apply_overrides_and_finalize(dtype=torch.float32, overrides=overrides)
     provider._pg_collection = ProcessGroupCollection.use_mpu_process_groups()
     torch.manual_seed(seed)
-    with cpu_shims.bridge_omni_local_specs(), cpu_shims.llava_construction_stand_ins(), _own_attention_backend():
+    with cpu_shims.bridge_vl_local_specs(), cpu_shims.llava_construction_stand_ins(), _own_attention_backend():
         model = provider.provide()
     return model.to(_device())
+
+
+def build_bridge_vl(provider, *, seed=1234, sequence_parallel=False, recipe=None):
+    """The model a Megatron-Bridge Nemotron VL / Omni ``provider`` (not finalized, as
+    ``AutoBridge.from_hf_config(...).to_megatron_provider()`` returns it) builds for this rank, with a CLIP
+    ViT for its RADIO vision tower; and the list of what that substitution changed.
+
+    Bridge's own ``provide()`` (``NemotronOmniModel`` or ``NemotronVLModel`` around megatron-core's
+    ``LLaVAModel``, its HybridModel language model from the provider) through `bridge.build_provided`
+    (this rank's TP / CP, CPU initialisation, no dropout, local specs; ``recipe`` fields on top), inside
+    ``cpu_shims.bridge_vl_local_specs`` (the provider modules' TE specs), ``llava_construction_stand_ins``
+    and ``bridge_vl_clip_vision`` (RADIO -> a one-layer CLIP ViT, 32 x 32 images, patch 16: the list it
+    fills is returned). The wrapper gets the ``model_type`` Bridge's ``provide_distributed_model`` sets
+    on every provided model (``models/model_provider.py:751``), which the schedule reads, and its
+    LLaVAModel the one `build_tiny_llava` gives (what `CombinedIdsReference` takes over).
+    """
+    from megatron.core.transformer.enums import ModelType
+
+    from . import bridge, cpu_shims
+
+    substituted = []
+    with cpu_shims.bridge_vl_local_specs(), cpu_shims.llava_construction_stand_ins(), \
+            cpu_shims.bridge_vl_clip_vision(substituted):
+        model = bridge.build_provided(provider, seed=seed, sequence_parallel=sequence_parallel,
+                                      scatter_embedding_sequence_parallel=False, recipe=recipe)
+    model.model_type = model.llava_model.model_type = ModelType.encoder_or_decoder
+    return model, substituted
 
 
 def tokens_per_image(model):
@@ -325,7 +352,7 @@ def _combined_ids_reference_class():
             super().__init__(config=llava.config)
             self.vision_model, self.vision_projection = llava.vision_model, llava.vision_projection
             self.language_model = llava.language_model
-            self.image_token_index = llava.image_token_index
+            self.image_token_index, self.img_seq_len = llava.image_token_index, llava.img_seq_len
             self._drop_vision_class_token = llava._drop_vision_class_token
             self._language_max_sequence_length = llava._language_max_sequence_length
             self.model_type = llava.model_type
@@ -353,15 +380,27 @@ def _combined_ids_reference_class():
             placed = rows[layout.image_rows.clamp(min=0).to(device)].transpose(0, 1)  # [S, b, h]
             return torch.where(kinds == llava_oracle.IMAGE, placed, torch.where(kinds == llava_oracle.TEXT, text, 0.0))
 
-        def forward(self, images, input_ids, position_ids, attention_mask, labels=None, loss_mask=None, **kwargs):
+        def forward(self, images, input_ids, position_ids, attention_mask, labels=None, loss_mask=None,
+                    num_image_tiles=None, **kwargs):
             """LLaVAModel's arguments (``position_ids`` unused: LLaVAModel's RoPE language model gets none
-            either, ``llava_model.py:1269``); returns ``(output, this rank's combined loss mask)``."""
+            either, ``llava_model.py:1269``); returns ``(output, this rank's combined loss mask)``.
+
+            ``num_image_tiles``: LLaVAModel's count per image of its ``img_seq_len`` embeddings (one tile
+            of `tokens_per_image` each by default; Nemotron Omni's provider sets ``img_seq_len = 1`` and
+            counts embeddings, ``nemotron_omni_provider.py:374-379``): the reference embeds one tile per
+            image from its vision geometry and refuses counts that say otherwise."""
             from megatron.core import parallel_state, tensor_parallel
 
             if kwargs:
                 raise TypeError(f"CombinedIdsReference.forward: unsupported arguments {sorted(kwargs)}")
             if labels is None:
                 raise ValueError("CombinedIdsReference needs labels and loss_mask (the SFT layout of LLaVAModel)")
+            if num_image_tiles is not None:
+                per_image = [int(count) * self.img_seq_len for count in num_image_tiles.tolist()]
+                if any(count != tokens_per_image(self) for count in per_image):
+                    raise ValueError(
+                        f"num_image_tiles {num_image_tiles.tolist()} x img_seq_len {self.img_seq_len} must give one "
+                        f"tile of {tokens_per_image(self)} embeddings per image (the reference's vision geometry)")
             layout = combined_layout(self, dict(input_ids=input_ids, labels=labels, loss_mask=loss_mask))
             device = input_ids.device
             embeddings = self.combined_embeddings(images, layout)  # [S, b, h]
