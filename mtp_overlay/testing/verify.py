@@ -21,6 +21,13 @@ weights of the model without stages, `pipeline.build_stage`, the MTP block's pos
 last stage), and runs each case with exactly its fixes installed. A config the test bed cannot build
 answers ``{"error": ...}`` naming what is missing (`PlanError`); anything else that fails answers the
 error with its traceback and the ranks' log.
+
+A multimodal plan (a Nemotron VL / Omni config: ``images`` in the plan) is built by Bridge's own VL /
+Omni provider with a CLIP ViT for RADIO (`tiny_llava.build_bridge_vl`); its microbatch is BSHD rows
+with image placeholders, the images and their tile counts (`multimodal_microbatch`); its reference is
+``tiny_llava.CombinedIdsReference`` around the reference build's LLaVAModel (the language model run
+directly on the hand-built combined ids and mask, TP1, stock) and its positions are combined slots
+(text tokens and image embeddings).
 """
 
 import importlib
@@ -40,9 +47,12 @@ class PlanError(ValueError):
 
 # --- the model ---------------------------------------------------------------------------------
 def hf_config(values):
-    """A transformers config of ``values`` (a config.json's dict, ``model_type`` included)."""
+    """A transformers config of ``values`` (a config.json's dict, ``model_type`` included); a Nemotron VL /
+    Omni config (its language model's config in ``llm_config``) as `multimodal_hf_config`."""
     from transformers import AutoConfig
 
+    if isinstance(values.get("llm_config"), dict):
+        return multimodal_hf_config(values)
     values = dict(values)
     model_type = values.pop("model_type", None)
     if not model_type:
@@ -53,8 +63,34 @@ def hf_config(values):
         raise PlanError(f"transformers cannot read a {model_type!r} config: {error}") from None
 
 
-def provider_of(model):
-    """The Megatron-Bridge provider (not finalized) the plan's ``model`` describes."""
+def multimodal_hf_config(values):
+    """A Nemotron VL / Omni config as the model folder's own configuration class (``trust_remote_code``)
+    gives it to ``AutoBridge``: its top-level keys on a ``PretrainedConfig``, ``llm_config`` a
+    transformers config of its ``model_type`` (`hf_config`), ``vision_config`` a ``PretrainedConfig``
+    (Bridge reads its attributes, ``nemotron_omni_bridge.py:139-143``). The folder's code is not run."""
+    from transformers import PretrainedConfig
+
+    values = dict(values)
+    llm, vision = values.pop("llm_config"), values.pop("vision_config", None)
+    values.pop("model_type", None)  # a class attribute of the folder's own config class, not an argument
+    config = PretrainedConfig(**values)
+    config.llm_config = hf_config(llm)
+    config.vision_config = None if vision is None else PretrainedConfig(**{k: v for k, v in vision.items()
+                                                                          if k != "model_type"})
+    return config
+
+
+# llm_config keys Megatron-Bridge 0.6.2's NemotronH bridge maps (nemotronh/nemotron_h_bridge.py:233-246,
+# 300-303) and its Nemotron VL / Omni bridges do not (nemotron_vl_bridge.py:42-45, nemotron_omni_bridge.py:
+# 60-71): HF key -> provider field. Without the MTP pattern the HybridModel builds no MTP block at all
+# (megatron-core models/hybrid/hybrid_model.py:215-228) though mtp_num_layers says otherwise.
+VL_BRIDGE_GAPS = {"mtp_hybrid_override_pattern": "mtp_hybrid_override_pattern",
+                  "mtp_use_repeated_layer": "mtp_use_repeated_layer", "chunk_size": "mamba_chunk_size"}
+
+
+def provided(model):
+    """(the Megatron-Bridge provider (not finalized) the plan's ``model`` describes, the fields set on it
+    beyond what Bridge mapped: one ``{"field", "bridge", "set", "why"}`` per field)."""
     from .bridge import import_bridge
 
     import_bridge()
@@ -74,7 +110,42 @@ def provider_of(model):
         provider = resolve_provider(model["path"])
     for name, value in model.get("overrides", {}).items():
         setattr(provider, name, value)
-    return provider
+    settings = []
+    if model["kind"] == "hf-config" and is_multimodal(provider):
+        llm, bridged = model["config"]["llm_config"], type(provider).__name__
+        for key, field in VL_BRIDGE_GAPS.items():
+            if key in llm and getattr(provider, field, None) != llm[key]:
+                settings.append(dict(field=field, bridge=getattr(provider, field, None), set=llm[key],
+                                     why=f"llm_config's {key}, which Megatron-Bridge's bridge of {bridged} does not "
+                                         "map (a training recipe must set it)"))
+                setattr(provider, field, llm[key])
+    for name, value in (model.get("multimodal") or {}).items():
+        if hasattr(provider, name) and getattr(provider, name) != value:
+            settings.append(dict(field=name, bridge=getattr(provider, name), set=value, why=MULTIMODAL_WHY[name]))
+            setattr(provider, name, value)
+    return provider, settings
+
+
+# provider fields a multimodal plan sets (``plan["model"]["multimodal"]``), and why
+MULTIMODAL_WHY = {
+    "sound_context_token_id": "no sound in the batches: an id no text token has (LLaVAModel takes every token "
+                              "equal to it for a sound slot, llava_model.py:657-672; the provider's default is 0, the "
+                              "padding id)",
+}
+
+
+def provider_of(model):
+    """The Megatron-Bridge provider (not finalized) the plan's ``model`` describes (`provided`)."""
+    return provided(model)[0]
+
+
+def is_multimodal(provider):
+    """Whether ``provider`` is one of Megatron-Bridge's Nemotron VL / Omni providers (LLaVAModel builders)."""
+    from megatron.bridge.models.nemotron_omni import nemotron_omni_provider
+    from megatron.bridge.models.nemotron_vl import nemotron_vl_provider
+
+    return isinstance(provider, (nemotron_omni_provider.NemotronVLModelProvider,
+                                 nemotron_vl_provider.NemotronVLModelProvider))
 
 
 def resolve_provider(path):
@@ -112,8 +183,10 @@ def resolve_provider(path):
 
 
 def describe(model):
-    """Rank worker: the fields of the plan's provider that the product shrinks (`verification.shrink`),
-    its class and the model family it builds; or ``{"error": ...}``."""
+    """Rank worker: the fields of the plan's provider that the product shrinks (`verification.shrink`; a
+    VL / Omni provider's vision side too, `verification.vision`), its class and the model family it
+    builds; or ``{"error": ...}``."""
+    from ..verification import vision
     from ..verification.shrink import PROVIDER_FIELDS
 
     try:
@@ -123,7 +196,7 @@ def describe(model):
     except PlanError as error:
         return dict(error=str(error))
     fields = {}
-    for name in PROVIDER_FIELDS:
+    for name in PROVIDER_FIELDS + ((*vision.PROVIDER_FIELDS, "vision_model_type") if kind == "multimodal" else ()):
         value = getattr(provider, name, None)
         if value is None or isinstance(value, (bool, int, float, str)):
             fields[name] = value
@@ -131,10 +204,13 @@ def describe(model):
 
 
 def family(provider):
-    """"hybrid" (HybridModelProvider: HybridModel) or "gpt" (GPTModelProvider: GPTModel); PlanError else."""
+    """"multimodal" (a Nemotron VL / Omni provider: LLaVAModel around a HybridModel, `is_multimodal`),
+    "hybrid" (HybridModelProvider: HybridModel) or "gpt" (GPTModelProvider: GPTModel); PlanError else."""
     from megatron.bridge.models.gpt_provider import GPTModelProvider
     from megatron.bridge.models.hybrid.hybrid_provider import HybridModelProvider
 
+    if is_multimodal(provider):
+        return "multimodal"
     if isinstance(provider, HybridModelProvider):
         return "hybrid"
     if isinstance(provider, GPTModelProvider):
@@ -189,6 +265,9 @@ def build(plan, sequence_parallel):
                 "word embeddings of the model without stages (testing/pipeline.py maps untied models); verify "
                 "this config with --pp 1"
             )
+        if kind == "multimodal":
+            raise PlanError(f"{type(provider).__name__} builds a LLaVAModel: its plan must hold images (the product "
+                            "plans a Nemotron VL / Omni model as multimodal)")
         if staged and kind == "hybrid":
             provider.hybrid_layer_pattern = staged_pattern(provider.hybrid_layer_pattern, pipeline.size())
         with _own_attention_backend():
@@ -199,6 +278,29 @@ def build(plan, sequence_parallel):
         return model
 
     return one(False) if pipeline.size() == 1 else pipeline.build_stage(one, dict(staged=False), dict(staged=True))
+
+
+def build_multimodal(plan, sequence_parallel):
+    """This rank's Nemotron VL / Omni model of a multimodal plan (`tiny_llava.build_bridge_vl`: Bridge's
+    own provider and ``provide()``, a CLIP ViT for RADIO) and what verify changed to build it:
+    ``{"substituted": [...], "provider_settings": [...]}`` (`provided`). The loss setting goes on the
+    provider before it builds: the language model's config is a copy of it (``nemotron_omni_provider.py:304``)."""
+    from . import pipeline
+    from .parity import _own_attention_backend
+    from .tiny_llava import build_bridge_vl
+
+    provider, settings = provided(plan["model"])
+    if family(provider) != "multimodal":
+        raise PlanError(f"the plan holds images, but {type(provider).__name__} builds no LLaVAModel: the test bed runs "
+                        "images through Megatron-Bridge's Nemotron VL and Omni providers")
+    check_buildable(provider)
+    if pipeline.size() > 1:
+        raise PlanError("--pp: the test bed runs a multimodal model without pipeline stages")
+    recipe = dict(plan.get("recipe") or {}, calculate_per_token_loss=LOSSES[plan["loss"]][1])
+    with _own_attention_backend():
+        model, substituted = build_bridge_vl(provider, seed=plan["seed"], sequence_parallel=sequence_parallel,
+                                             recipe=recipe)
+    return model, dict(substituted=substituted, provider_settings=settings)
 
 
 def staged_pattern(pattern, stages):
@@ -276,6 +378,50 @@ def microbatch(plan, layout):
     return batch, slots
 
 
+IMAGE_MARKER = -1  # a plan's token at an image placeholder: the built model's image token goes there
+
+
+def multimodal_microbatch(plan, llava):
+    """The plan's sequences as one multimodal SFT microbatch of ``MegatronStep`` for ``llava`` (the built
+    LLaVAModel): one BSHD row per sequence (zeros after its end), the image token of the model at each
+    image placeholder (`IMAGE_MARKER`) of ``input_ids`` and, as LLaVAModel's labels are the same stream
+    shifted, of ``labels``; the label-aligned loss mask of the response (`masks`); ``images``: one
+    ``[3, h, w]`` image of the model's vision geometry per placeholder, in reading order, drawn from the
+    plan's seed; ``num_image_tiles``: per image ``tokens_per_image / img_seq_len`` (1 tile of a CLIP
+    tower's embeddings; Nemotron Omni counts embeddings, ``img_seq_len = 1``). PlanError when a text
+    token is the model's image or sound token (it would be taken for one)."""
+    import torch
+
+    from .tiny_llava import tokens_per_image
+
+    sequences, prompts = plan["sequences"], plan["prompts"]
+    image, sound = llava.image_token_index, getattr(llava, "sound_token_index", None)
+    clash = sorted({token for tokens in sequences for token in tokens if token in (image, sound)})
+    if clash:
+        raise PlanError(f"the sample's text holds token(s) {clash}: the image ({image}) or sound ({sound}) token of "
+                        "the built model, which LLaVAModel would take for an image or a sound clip")
+    lengths = [len(tokens) - 1 for tokens in sequences]
+    width = max(lengths)
+    batch = {key: torch.zeros(len(sequences), width, dtype=torch.int64) for key in ("input_ids", "labels")}
+    batch["loss_mask"] = torch.zeros(len(sequences), width)
+    for row, (tokens, prompt) in enumerate(zip(sequences, prompts)):
+        stream, length = torch.tensor(tokens), lengths[row]
+        stream[stream == IMAGE_MARKER] = image
+        batch["input_ids"][row, :length], batch["labels"][row, :length] = stream[:-1], stream[1:]
+        batch["loss_mask"][row, :length] = masks(tokens, prompt, "sft")[0]
+    count = int((batch["input_ids"] == image).sum())
+    per_image, per_tile = tokens_per_image(llava), llava.img_seq_len
+    if per_image % per_tile:
+        raise PlanError(f"the built vision tower gives {per_image} embeddings per image, not a whole number of "
+                        f"LLaVAModel's img_seq_len {per_tile}")
+    vision = llava.vision_model
+    generator = torch.Generator().manual_seed(plan["seed"])
+    batch.update(position_ids=torch.arange(width).repeat(len(sequences), 1),
+                 images=torch.randn(count, 3, vision.img_h, vision.img_w, generator=generator),
+                 num_image_tiles=torch.full((count,), per_image // per_tile, dtype=torch.int32))
+    return batch
+
+
 def pad_multiple(plan, layout):
     """The per-sequence padding multiple of ``layout``: the plan's, else NeMo-RL's (2*CP*TP under CP,
     TP under SP: `mtp.padding_multiple`)."""
@@ -321,20 +467,19 @@ def run_cases(plan, jobs):
         model_parallel(spec, plan["seed"])
         mtp_overlay.uninstall()  # every model is built by stock megatron-core
         try:
-            model = build(plan, spec["sp"])
+            model, built, language_model, batch, slots, details = prepared(plan, layout, spec["sp"])
         except PlanError as error:
             return dict(error=str(error))
         step = MegatronStep(model, optimizer=None)
         buffers = [(buffer, buffer.detach().clone()) for buffer in model.buffers()]
-        batch, slots = microbatch(plan, layout)
-        facts = dict(built=built_facts(model), mtp_sizes=[
-            param.numel() for name, param in model.named_parameters() if name.split(".")[0] == "mtp"
+        facts = dict(built=built_facts(built, details), mtp_sizes=[
+            param.numel() for name, param in language_model.named_parameters() if name.split(".")[0] == "mtp"
         ]) if layout == "reference" else {}
         # the reference passes the MTP mask as loss_mask (what the trainer means); a scoped mask reaches stock
         # megatron-core only through mtp-loss-mask, which is what the other cases check
         route = "explicit" if layout == "reference" else plan["mtp_mask"]
         for name, fixes in cases:
-            with record_mtp(model) as records:
+            with record_mtp(language_model) as records:
                 result, error = run_step(step, buffers, batch, fixes, labels=plan["forward"] == "sft",
                                          mtp_mask=route, loss=LOSSES[plan["loss"]][0])
             trained = None if error else positions(records, batch, slots)
@@ -342,16 +487,49 @@ def run_cases(plan, jobs):
                 trained = pipeline.broadcast_from_last_stage(trained)
             out.append(dict(layout=layout, case=name, fixes=list(fixes), error=error, step=result, trained=trained,
                             **facts))
-        del step, model
+        del step, model, built, language_model
     mtp_overlay.uninstall()
     return out if torch.distributed.get_rank() == 0 else None
 
 
+def prepared(plan, layout, sequence_parallel):
+    """(the model the step runs, the model Bridge's provider built, its megatron-core language model, the
+    microbatch, its slot map (None: combined slots, row = sequence), what verify changed to build it) of
+    one layout. A multimodal plan's reference is ``CombinedIdsReference`` around the reference build's
+    LLaVAModel (module docstring)."""
+    from .megatron_step import _language_model
+
+    if plan.get("images") is None:
+        model = build(plan, sequence_parallel)
+        return (model, model, model, *microbatch(plan, layout), {})
+    from .tiny_llava import CombinedIdsReference
+
+    model, details = build_multimodal(plan, sequence_parallel)
+    llava = model.llava_model
+    stepped = CombinedIdsReference(llava) if layout == "reference" else model
+    return stepped, model, _language_model(model), multimodal_microbatch(plan, llava), None, details
+
+
 def positions(records, batch, slots):
     """Per MTP depth the sorted [sequence, position, target] triples it back-propagated a loss from,
-    over the whole microbatch (a CP collective: every CP rank's slots, on every rank)."""
+    over the whole microbatch (a CP collective: every CP rank's slots, on every rank). ``slots`` None:
+    a multimodal microbatch, whose MTP records are in LLaVAModel's combined layout (this CP rank's
+    chunks of the padded combined rows, ``llava_model.py:861``): [row, combined slot, target]."""
     import torch
 
+    if slots is None:
+        from megatron.core import parallel_state
+
+        from .packed import to_global
+
+        depths = []
+        for record in records:
+            length = record["trained"].shape[1] * parallel_state.get_context_parallel_world_size()
+            boundaries = torch.tensor([0, length])
+            trained = to_global(record["trained"], boundaries)
+            targets = to_global(record["targets"], boundaries)
+            depths.append(sorted([row, slot, int(targets[row, slot])] for row, slot in trained.nonzero().tolist()))
+        return depths
     from .megatron_step import padded_boundaries
     from .packed import to_global
 
@@ -376,7 +554,8 @@ def gradient_errors(step, reference, sizes):
 
     from .megatron_step import relative_error
 
-    errors = {part: relative_error(step.grads[part], reference.grads[part]) for part in ("mtp", "lm")}
+    errors = {part: relative_error(step.grads[part], reference.grads[part]) for part in ("mtp", "lm", "encoder")
+              if part in step.grads and part in reference.grads}
     names = reference.grad_names["mtp"]
     if len(sizes) != len(names) or tuple(step.grad_names["mtp"]) != tuple(names):
         raise RuntimeError(f"MTP parameters differ from the reference's: {step.grad_names['mtp']} vs {names}")
@@ -414,11 +593,27 @@ def warm_up():
     import_bridge()
 
 
-def built_facts(model):
-    """What Bridge's provider built: classes, layer patterns, MTP, MoE, embeddings, parameter count."""
+def built_facts(model, details=None):
+    """What Bridge's provider built: classes, layer patterns, MTP, MoE, embeddings, parameter count; for
+    a multimodal model also its wrapper, the LLaVAModel's image facts and ``details`` (what verify
+    substituted and set, `build_multimodal`)."""
+    from .megatron_step import _language_model
+
+    wrapper, model = model, _language_model(model)
     config = model.config
-    facts = dict(provider=type(config).__name__, model=type(model).__name__,
-                 parameters=sum(param.numel() for param in model.parameters()))
+    facts = dict(provider=type(wrapper.config).__name__, model=type(model).__name__,
+                 parameters=sum(param.numel() for param in wrapper.parameters()))
+    llava = getattr(wrapper, "llava_model", None)
+    if llava is not None:
+        from .tiny_llava import tokens_per_image
+
+        facts.update(wrapper=f"{type(wrapper).__name__} around {type(llava).__name__}",
+                     vision_model=type(llava.vision_model).__name__, image_token_index=llava.image_token_index,
+                     img_seq_len=llava.img_seq_len, tokens_per_image=tokens_per_image(llava),
+                     language_model_type=getattr(config, "language_model_type", None),
+                     reference="CombinedIdsReference: its language model run directly on the hand-built combined "
+                               "ids and loss mask (TP1, stock)")
+    facts.update(details or {})
     names = ["hybrid_layer_pattern", "num_layers", "mtp_num_layers", "mtp_use_repeated_layer", "hidden_size",
              "num_attention_heads", "num_query_groups", "share_embeddings_and_output_weights", "vocab_size",
              "calculate_per_token_loss"]
@@ -518,7 +713,7 @@ class Engine:
 def layout_name(layout):
     """"TP2xCP2+SP", "EP2", "TP1" ... of a layout dict (or "reference")."""
     if layout == "reference":
-        return "the reference (each sequence alone, TP1)"
+        return "the reference (TP1, stock)"
     parts = [f"{key.upper()}{layout[key]}" for key in ("tp", "cp", "ep", "pp") if (layout.get(key) or 1) > 1]
     return "x".join(parts or ["TP1"]) + ("+SP" if layout.get("sp") else "")
 
