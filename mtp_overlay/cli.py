@@ -107,13 +107,15 @@ def _add_verify(commands: "argparse._SubParsersAction[argparse.ArgumentParser]")
     verify.add_argument("--etp", type=int, help="expert tensor-parallel size (default: megatron-core's, the TP size)")
     verify.add_argument("--sp", action="store_true", help="sequence parallelism (needs --tp > 1)")
     verify.add_argument("--world-size", type=int, help="ranks (default: the fewest that hold the layout)")
-    verify.add_argument("--packing", choices=verification.PACKINGS, default="thd-padded",
+    verify.add_argument("--packing", choices=verification.PACKINGS,
                         help="none (BSHD rows), thd-padded (NeMo-RL's default: cu_seqlens_q padded) or "
-                             "thd-real-lengths (real lengths in cu_seqlens_q); default thd-padded")
+                             "thd-real-lengths (real lengths in cu_seqlens_q); default thd-padded (none for a VL / "
+                             "Omni model)")
     verify.add_argument("--loss", choices=verification.LOSSES, default="per-token",
                         help="per-token (calculate_per_token_loss), 2-output or 3-output; default per-token")
-    verify.add_argument("--forward", choices=("rl", "sft"), default="rl",
-                        help="rl: no labels, Megatron derives the MTP labels (default); sft: labels passed")
+    verify.add_argument("--forward", choices=("rl", "sft"),
+                        help="rl: no labels, Megatron derives the MTP labels (default); sft: labels passed (the "
+                             "default and the only choice for a VL / Omni model)")
     verify.add_argument("--mtp-mask", choices=verification.MASKS, default="passed",
                         help="how the trainer gives the MTP head its mask: passed as loss_mask (default) or "
                              "scoped with mtp_overlay.mtp.loss_mask_scope")
@@ -126,7 +128,8 @@ def _add_verify(commands: "argparse._SubParsersAction[argparse.ArgumentParser]")
                         help="keep every layer (all), every distinct run of one layer kind (runs), or all up to "
                              "16 layers (auto, default)")
     verify.add_argument("--data", metavar="JSONL",
-                        help='a sample of your data: one {"tokens": N, "prompt": P} per line')
+                        help='a sample of your data: one {"tokens": N, "prompt": P} per line (a VL / Omni model: '
+                             'also "images": [positions of the image placeholders])')
     verify.add_argument("--pad-multiple", type=int, help="your packer's per-sequence padding (default NeMo-RL's)")
     verify.add_argument("--tolerance", type=float, default=1e-4, help="largest relative error that counts as equal")
     verify.add_argument("--max-ranks", type=int, default=8, help="most processes to start (default 8)")

@@ -13,8 +13,17 @@ depth may train, from the tokens and the mask alone), names the fixes the config
 case that shows why, and marks a difference the overlay leaves as a possible new defect with the
 smallest layout that still shows it (the engine reruns the overlay on each smaller layout).
 
+A Nemotron VL / Omni config (its language model in ``llm_config``, or a Bridge VL / Omni provider) is
+shrunk by `vision` (the language model as any; the RADIO vision tower replaced by a tiny CLIP ViT, the
+image token kept on its side of the vocabulary) and run with images in the microbatches: Bridge's own
+provider builds megatron-core's LLaVAModel, each step is an SFT step of BSHD rows, the numeric
+reference is the language model run directly on the hand-built combined ids and mask (the test bed's
+``CombinedIdsReference``, TP1, stock) and the positions are the combined slots the oracle derives from
+the tokens, the prompt and the image placeholders.
+
 Not run, and said so in the report: layouts above ``max_ranks`` processes (the largest smaller layout
-that fits runs instead). Data-parallel ranks get the same microbatch.
+that fits runs instead); a VL / Omni config's sound encoder (no sound clips). Data-parallel ranks get
+the same microbatch.
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ from . import report as _report
 from .layout import Layout
 from .report import Report
 from .shrink import Shrunk, shrink
+from .vision import is_multimodal, shrink_multimodal, shrink_provider_multimodal
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -42,6 +52,8 @@ LOSSES = ("per-token", "2-output", "3-output")
 MASKS = ("passed", "scoped")  # the trainer passes the MTP mask as loss_mask, or scopes it (mtp.loss_mask_scope)
 MAX_RANKS = 8
 SEED = 1234
+# the numeric reference, by whether the model is multimodal
+REFERENCES = {False: "TP1, each sequence alone", True: "TP1, the language model on the hand-built combined ids"}
 
 
 def verify(
@@ -55,9 +67,9 @@ def verify(
     pp: int = 1,
     sp: bool = False,
     world_size: int | None = None,
-    packing: str = "thd-padded",
+    packing: str | None = None,
     loss: str = "per-token",
-    forward: str = "rl",
+    forward: str | None = None,
     mtp_mask: str = "passed",
     mtp_num_layers: int | None = None,
     repeated_layer: bool | None = None,
@@ -78,11 +90,13 @@ def verify(
     ``FILE.py:NAME`` (a provider, its class, or a function returning one or a recipe's
     ``ConfigContainer``); exactly one of the two. tp, cp, ep, etp, pp, sp, world_size: the layout
     (`Layout`). packing: one of PACKINGS ("thd-padded": NeMo-RL's default, ``cu_seqlens_q`` padded;
-    "thd-real-lengths": real lengths in ``cu_seqlens_q``, the self-slicing path). loss: one of LOSSES
-    ("per-token": ``calculate_per_token_loss``). forward: "rl" (no labels) or "sft". mtp_mask: one of
-    MASKS. mtp_num_layers, repeated_layer, scatter_embedding: overrides of the config's MTP depth, repeated
+    "thd-real-lengths": real lengths in ``cu_seqlens_q``, the self-slicing path; None: "thd-padded",
+    "none" for a VL / Omni model, whose steps are BSHD). loss: one of LOSSES ("per-token":
+    ``calculate_per_token_loss``). forward: "rl" (no labels) or "sft" (None: "rl", "sft" for a VL / Omni
+    model, whose steps need labels). mtp_mask: one of MASKS. mtp_num_layers, repeated_layer, scatter_embedding: overrides of the config's MTP depth, repeated
     MTP layer and ``scatter_embedding_sequence_parallel``. layers: "auto", "all" or "runs" (`shrink`).
-    data: a JSONL sample of ``{"tokens": N, "prompt": P}`` lines (`data`). pad_multiple: the packer's
+    data: a JSONL sample of ``{"tokens": N, "prompt": P}`` lines (``"images": [...]`` too for a VL /
+    Omni model: `data`). pad_multiple: the packer's
     per-sequence padding (default NeMo-RL's: 2·CP·TP under CP, TP under SP). tolerance: the largest
     relative error that counts as equal. max_ranks: the most processes to start. search: rerun the
     overlay on smaller layouts when it differs. log: the ranks' output. progress: called with each
@@ -92,22 +106,32 @@ def verify(
     RuntimeError when the engine cannot run at all.
     """
     started = time.perf_counter()
-    _check_options(packing, loss, forward, mtp_mask, tolerance, max_ranks)
+    _check_options(packing or PACKINGS[1], loss, forward or "rl", mtp_mask, tolerance, max_ranks)
     if (hf_config is None) == (provider is None):
         raise ValueError("give exactly one of --hf-config (a Hugging Face config) and --provider (a Bridge provider)")
     layout = Layout(tp=tp, cp=cp, ep=ep, etp=etp, pp=pp, sp=sp, world=world_size)
     run_layout, not_run = layout_to_run(layout, max_ranks)
 
-    def shrunk_for(values: dict[str, object], keyspace: str) -> Shrunk:
-        return shrink(values, layout, keyspace=keyspace, mtp_num_layers=mtp_num_layers, repeated_layer=repeated_layer,
+    def shrunk_for(values: dict[str, object], keyspace: str, multimodal: bool) -> tuple[Shrunk, _data.Sample]:
+        nonlocal packing, forward
+        if multimodal:
+            packing, forward = packing or "none", forward or "sft"
+            check_multimodal_options(packing, forward, mtp_mask, layout, scatter_embedding, pad_multiple)
+            build = shrink_multimodal if keyspace == "hf" else shrink_provider_multimodal
+            made = build(values, layout, mtp_num_layers=mtp_num_layers, repeated_layer=repeated_layer, layers=layers)
+            reserved = made.multimodal.reserved if made.multimodal is not None else ()
+            return made, _data.sample(data, made.vocab, seed=0, images=True, reserved=reserved)
+        packing, forward = packing or PACKINGS[1], forward or "rl"
+        made = shrink(values, layout, keyspace=keyspace, mtp_num_layers=mtp_num_layers, repeated_layer=repeated_layer,
                       layers=layers, scatter_embedding_sequence_parallel=scatter_embedding)
+        drawn = _data.sample(data, made.vocab, seed=0)
+        check_padding(drawn, run_layout, packing, pad_multiple)
+        return made, drawn
 
     shrunk = sample = None
     if hf_config is not None:  # everything checked before a process starts
         values = inputs.read_hf_config(hf_config)
-        shrunk = shrunk_for(values, "hf")
-        sample = _data.sample(data, shrunk.vocab, seed=0)
-        check_padding(sample, run_layout, packing, pad_multiple)
+        shrunk, sample = shrunk_for(values, "hf", is_multimodal(values))
         name = inputs.model_name(values, os.fspath(hf_config))
     else:
         name = inputs.check_provider_path(str(provider))
@@ -120,15 +144,20 @@ def verify(
             fields = described.get("fields")
             if not isinstance(fields, dict):
                 raise RuntimeError(f"the verify engine described the provider as {described!r}")
-            shrunk = shrunk_for(fields, "provider")
-            sample = _data.sample(data, shrunk.vocab, seed=0)
-            check_padding(sample, run_layout, packing, pad_multiple)
+            shrunk, sample = shrunk_for(fields, "provider", described.get("family") == "multimodal")
             phases += _startup(described, run_layout.world_size) + [("the provider", _seconds(described))]
+        assert packing is not None and forward is not None  # resolved by shrunk_for
         plan = _plan(shrunk, sample, name, loss=loss, forward=forward, mtp_mask=mtp_mask, packing=packing,
                      pad_multiple=pad_multiple)
         first = _request(runner, plan, [["reference", [["reference", []]]]])
-        phases += _startup(first, run_layout.world_size) + [("reference (TP1, each sequence alone)", _seconds(first))]
+        reference_name = REFERENCES[shrunk.multimodal is not None]
+        phases += _startup(first, run_layout.world_size) + [(f"reference ({reference_name})", _seconds(first))]
         reference_row = _answers(first)[0]
+        built = first.get("built")
+        built = dict(built) if isinstance(built, dict) else {}
+        per_image = built.get("tokens_per_image") if shrunk.multimodal is not None else None
+        if shrunk.multimodal is not None and not isinstance(per_image, int):
+            raise RuntimeError(f"the verify engine built a multimodal model without its tokens per image: {built!r}")
         cases = [["stock", []], ["overlay", fixes]] + ablations(fixes)
         second = _request(runner, plan, [[run_layout.as_dict(), cases]])
         phases.append((f"{run_layout.name}: {len(cases)} steps", _seconds(second)))
@@ -136,8 +165,9 @@ def verify(
 
         def judged_as(answer: dict[str, object], where: Layout | None,
                       reference: dict[str, object] | None) -> _report.Case:
-            named = dict(answer, layout_name=where.name if where is not None else "TP1, each sequence alone")
-            return _report.judge_case(named, sample, reference, forward, depths, tolerance)
+            named = dict(answer, layout_name=where.name if where is not None else reference_name)
+            return _report.judge_case(named, sample, reference, forward, depths, tolerance,
+                                      per_image if isinstance(per_image, int) else None)
 
         judged = [judged_as(answer, run_layout, reference_row) for answer in _answers(second)]
         searched: list[_report.Case] = []
@@ -150,10 +180,10 @@ def verify(
         if engine is None:
             runner.close()
     phases.append(("total, the child process's start included", round(time.perf_counter() - started, 1)))
-    built = first.get("built")
+    if shrunk.multimodal is not None:
+        not_run += list(shrunk.multimodal.not_run)
     return Report(
-        model=name, layout=layout.name, packing=packing, shrunk=shrunk.as_dict(),
-        built=dict(built) if isinstance(built, dict) else {}, sample=sample.as_dict(),
+        model=name, layout=layout.name, packing=packing, shrunk=shrunk.as_dict(), built=built, sample=sample.as_dict(),
         reference=judged_as(reference_row, None, None),
         stock=judged[0], overlay=judged[1], ablations=tuple(judged[2:]), search=tuple(searched),
         needs=_report.needs(judged[1], judged[2:], symptoms(fixes)), not_run=tuple(not_run),
@@ -177,6 +207,34 @@ def _check_options(packing: str, loss: str, forward: str, mtp_mask: str, toleran
         raise ValueError(f"--max-ranks must be a positive integer, got {max_ranks!r}")
 
 
+def check_multimodal_options(packing: str, forward: str, mtp_mask: str, layout: Layout,
+                             scatter_embedding: bool | None, pad_multiple: int | None) -> None:
+    """ValueError naming the flag of what a VL / Omni model cannot be verified with: its steps are SFT
+    steps of BSHD rows, without pipeline stages, and LLaVAModel decides its language model's scatter
+    setting and its padding itself."""
+    refusals = [
+        (packing != "none", f"--packing {packing}: a VL / Omni model is verified with BSHD rows "
+                      "(--packing none): packed THD rows through LLaVAModel need Transformer Engine's "
+                      "thd_get_partitioned_indices under CP (llava_model.py:869) and the test bed's step takes "
+                      "multimodal microbatches as BSHD rows"),
+        (forward != "sft", f"--forward {forward}: a VL / Omni model is verified with labels (--forward "
+                      "sft): without labels LLaVAModel returns logits over the combined sequence, whose LM loss "
+                      "needs labels only the trainer can build, and the test bed's step has no such loss"),
+        (mtp_mask != "passed", "--mtp-mask scoped needs --forward rl, which a VL / Omni model is not "
+                       "verified with"),
+        (layout.pp > 1, f"--pp {layout.pp}: the test bed runs a VL / Omni model without pipeline stages "
+                 "(its vision tower sits on the first stage only)"),
+        (scatter_embedding is not None, "--scatter-embedding: LLaVAModel builds its language "
+                                "model with scatter_embedding_sequence_parallel=False whatever the provider says "
+                                "(llava_model.py:239,257)"),
+        (pad_multiple is not None, "--pad-multiple: LLaVAModel pads the combined sequence to its "
+                           "own multiple (2·CP·TP under CP, TP under SP: llava_model.py:781-830)"),
+    ]
+    for refused, why in refusals:
+        if refused:
+            raise ValueError(why)
+
+
 def _plan(shrunk: Shrunk, sample: _data.Sample, name: str, *, loss: str, forward: str, mtp_mask: str,
           packing: str, pad_multiple: int | None) -> dict[str, object]:
     """What the engine builds and runs (``testing/verify.py`` reads it)."""
@@ -187,13 +245,18 @@ def _plan(shrunk: Shrunk, sample: _data.Sample, name: str, *, loss: str, forward
         model = dict(kind="provider", path=name,
                      overrides={key: value for key, value in shrunk.values.items() if key in changed})
     scatter = shrunk.values.get("scatter_embedding_sequence_parallel")
-    return dict(
+    plan = dict(
         model=model, recipe=shrunk.settings, seed=SEED, loss=loss, forward=forward,
         mtp_mask="explicit" if mtp_mask == "passed" else "scoped",
         scatter_embedding_sequence_parallel=scatter if isinstance(scatter, bool) else True,
         sequences=[list(sequence.tokens) for sequence in sample.sequences],
         prompts=[sequence.prompt for sequence in sample.sequences], packing=packing, pad_multiple=pad_multiple,
     )
+    if shrunk.multimodal is not None:  # images in the microbatch; provider fields set after Bridge's import
+        model["multimodal"] = dict(shrunk.multimodal.provider)
+        plan.update(images=[list(sequence.images) for sequence in sample.sequences],
+                    scatter_embedding_sequence_parallel=False)
+    return plan
 
 
 def notes(layout: Layout, loss: str, shrunk: Shrunk, packing: str, pad_multiple: int | None) -> list[str]:
@@ -211,6 +274,11 @@ def notes(layout: Layout, loss: str, shrunk: Shrunk, packing: str, pad_multiple:
     if loss == "3-output" and layout.cp > 1:
         found.append("a 3-output loss without calculate_per_token_loss averages per-rank LM means under CP "
                      "(Megatron-LM PR #7513): the LM gradient differs, which no MTP fix changes")
+    if shrunk.multimodal is not None:
+        found.append("a VL / Omni model: SFT steps of BSHD rows with images (a CLIP ViT for the config's vision "
+                     "tower); positions are combined slots (each image placeholder is the image's embeddings); the "
+                     "numeric reference is the language model run directly on the hand-built combined ids and "
+                     "mask at TP1 (the test bed's CombinedIdsReference), not each sequence alone")
     if shrunk.experts:
         found.append("the MoE load-balancing loss is off (a function of the whole microbatch's routing: no "
                      "per-sequence reference exists with it): defects of the MTP block's aux loss (its routers "

@@ -8,14 +8,13 @@ from __future__ import annotations
 import json
 import os
 
-# configs of models with a vision tower or audio encoder: the test bed builds their language model's
-# MTP path only once a fix for MTP on multimodal models (LLaVAModel's combined sequence) exists
-MULTIMODAL_KEYS = ("vision_config", "audio_config", "vision_tower", "mm_projector_type")
+from .vision import check_multimodal, is_multimodal
 
 
 def read_hf_config(path: str | os.PathLike[str]) -> dict[str, object]:
     """The dict of a Hugging Face ``config.json``: ``path`` is the file or a folder holding it (as
-    ``AutoBridge.from_hf_config(AutoConfig.from_pretrained(folder))`` reads it)."""
+    ``AutoBridge.from_hf_config(AutoConfig.from_pretrained(folder))`` reads it); a multimodal config
+    only in the Nemotron VL / Omni layout (`vision.check_multimodal`)."""
     name = os.fspath(path)
     file = os.path.join(name, "config.json") if os.path.isdir(name) else name
     if os.path.isdir(name) and not os.path.isfile(file):
@@ -33,13 +32,8 @@ def read_hf_config(path: str | os.PathLike[str]) -> dict[str, object]:
         raise ValueError(f"--hf-config {file}: a config is a JSON object, got {type(values).__name__}")
     if not values.get("model_type"):
         raise ValueError(f"--hf-config {file}: no model_type (transformers reads the family from it)")
-    multimodal = [key for key in MULTIMODAL_KEYS if values.get(key)]
-    if multimodal:
-        raise ValueError(
-            f"--hf-config {file}: a multimodal config ({', '.join(multimodal)}): verify builds the language model's "
-            "MTP path only; its combined (text + image) sequence needs the multimodal MTP fix in the overlay, which "
-            "verify takes in as soon as it is registered (the vision tower shrunk like the language model)"
-        )
+    if is_multimodal(values):
+        check_multimodal(values, file)
     return values
 
 

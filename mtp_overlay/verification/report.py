@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from .oracle import Triple, allowed, compare
+from .oracle import Triple, allowed, compare, image_slot_targets
 from .data import Sample
 
 TOLERANCE = 1e-4
@@ -29,7 +29,8 @@ OK, DIFFERS = 0, 1  # exit codes (2: bad input, raised before a report exists)
 class Depth:
     """One MTP depth of one case: pairs trained and allowed, the wrong and missed ones, the logged MTP
     loss and its relative error, the MTP gradient's relative error (its own layer's, or the block's when
-    the depths share one layer)."""
+    the depths share one layer); for a VL / Omni model the trained pairs whose label or predicted slot
+    is an image slot (`oracle.image_slot_targets`; None for a language model)."""
 
     depth: int
     trained: int
@@ -39,6 +40,7 @@ class Depth:
     loss: float | None
     loss_relerr: float | None
     grad_relerr: float | None
+    image_targets: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +73,8 @@ class Case:
             parts = []
             if depth.wrong or depth.missed:
                 parts.append(f"{len(depth.wrong)} wrong and {len(depth.missed)} missed (position, target) pairs")
+            if depth.image_targets:
+                parts.append(f"{depth.image_targets} of them at image slots")
             if depth.loss_relerr is not None and depth.loss_relerr > self.tolerance:
                 parts.append(f"MTP loss relerr {depth.loss_relerr:.2g}")
             if depth.grad_relerr is not None and depth.grad_relerr > self.tolerance:
@@ -90,8 +94,10 @@ class Case:
                      for d in self.depths)
 
     def lm_differs(self) -> bool:
-        rest = self.grad_relerr.get("lm")
-        return rest is not None and rest > self.tolerance
+        """The gradients outside the MTP block (the language model's rest; a VL model's vision tower and
+        projector) differ from the reference's."""
+        rest = [self.grad_relerr[part] for part in ("lm", "encoder") if part in self.grad_relerr]
+        return bool(rest) and max(rest) > self.tolerance
 
     def as_dict(self) -> dict[str, object]:
         return dict(layout=self.layout, case=self.name, fixes=list(self.fixes), error=self.error, lm_loss=self.lm_loss,
@@ -99,7 +105,7 @@ class Case:
                     differs=self.differs, problems=self.problems(),
                     depths=[dict(depth=d.depth, trained=d.trained, allowed=d.allowed, wrong=[list(t) for t in d.wrong],
                                  missed=[list(t) for t in d.missed], loss=d.loss, loss_relerr=d.loss_relerr,
-                                 grad_relerr=d.grad_relerr) for d in self.depths])
+                                 grad_relerr=d.grad_relerr, image_targets=d.image_targets) for d in self.depths])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,21 +188,32 @@ class Report:
         lines += ["what was shrunk (CPU size):"]
         lines += [f"   {c['key']}: {c['original']} -> {c['value']}" + (f"  ({c['why']})" if c["why"] else "")
                   for c in _dicts(self.shrunk.get("shrunk"))] or ["   nothing"]
+        lines += [f"   LLaVAModel {c['name']}: {c['bridge']} -> {c['built']}  ({c['why']})"
+                  for c in _dicts(self.built.get("substituted"))]
         kept = self.shrunk.get("kept")
         lines += ["what was kept:"] + [f"   {name}: {value}" for name, value in (kept.items() if isinstance(kept, dict)
                                                                                else ())]
         settings = self.shrunk.get("settings")
         if isinstance(settings, dict) and settings:
-            lines += ["set for the per-sequence reference:"] + [f"   {k}: {v}" for k, v in settings.items()]
-        if self.built:
+            lines += ["set for the reference:"] + [f"   {k}: {v}" for k, v in settings.items()]
+        provided = _dicts(self.built.get("provider_settings"))
+        if provided:
+            lines += ["set on the provider after Megatron-Bridge's import:"] + [
+                f"   {c['field']}: {c['bridge']} -> {c['set']}  ({c['why']})" for c in provided]
+        facts = {k: v for k, v in self.built.items() if not isinstance(v, (list, dict))}
+        if facts:
             lines += ["built (Megatron-Bridge's provider, stock megatron-core):",
-                      "   " + ", ".join(f"{k} {v}" for k, v in self.built.items())]
+                      "   " + ", ".join(f"{k} {v}" for k, v in facts.items())]
         sequences = _dicts(self.sample.get("sequences"))
         lines += [f"data: {self.sample.get('source')}; {self.sample.get('note')}: "
-                  + ", ".join(f"{s['tokens']} tokens (prompt {s['prompt']})" for s in sequences)]
+                  + ", ".join(f"{s['tokens']} tokens (prompt {s['prompt']}" + (f", images at {s['images']}"
+                                                                              if s.get("images") else "") + ")"
+                              for s in sequences)]
         lines += ["", table(self), ""]
-        lines += ["per MTP depth (pairs: (sequence, position, target); positions in the sequence, padding at or past "
-                  "its length):"]
+        where = ("combined slots: text tokens and image embeddings, " +
+                 f"{self.built.get('tokens_per_image')} per image" if self.built.get("tokens_per_image") else
+                 "positions in the sequence, padding at or past its length")
+        lines += [f"per MTP depth (pairs: (sequence, position, target); {where}):"]
         for case in (self.reference, self.stock, self.overlay):
             lines += [f"   {case.name}:"] + [f"      {_depth(depth, case)}" for depth in case.depths] if case.depths \
                 else [f"   {case.name}: {_error(case.error or '')}"]
@@ -220,8 +237,9 @@ class Report:
                         lines.append(f"   depth {depth.depth} wrong pairs: {_pairs(depth.wrong)}; missed: "
                                      f"{_pairs(depth.missed)}")
         if self.overlay.lm_differs() and not self.overlay.differs:
-            lines += ["", f"note: the overlay's gradients outside the MTP block differ (relerr "
-                          f"{self.overlay.grad_relerr['lm']:.2g}): not MTP training (see the notes)"]
+            worst = max(self.overlay.grad_relerr.get(part, 0.0) for part in ("lm", "encoder"))
+            lines += ["", f"note: the overlay's gradients outside the MTP block differ (relerr {worst:.2g}): not MTP "
+                          "training (see the notes)"]
         lines += [""] + [f"not run: {line}" for line in self.not_run] + [f"note: {line}" for line in self.notes]
         lines += ["phases: " + ", ".join(f"{name} {seconds:.1f} s" for name, seconds in self.phases)]
         verdict = ("OK: the overlay's MTP training equals the references" if self.ok
@@ -244,9 +262,9 @@ def table(report: Report) -> str:
 
 
 def judge_case(answer: dict[str, object], sample: Sample, reference: dict[str, object] | None, forward: str,
-               depth_count: int, tolerance: float = TOLERANCE) -> Case:
+               depth_count: int, tolerance: float = TOLERANCE, tokens_per_image: int | None = None) -> Case:
     """A `Case` of one engine answer row, held to the oracle and to the ``reference`` row (None: it is
-    the reference)."""
+    the reference); ``tokens_per_image``: a VL / Omni model's (positions are combined slots)."""
     error = answer.get("error")
     trained = answer.get("trained")
     losses = tuple(float(x) for x in _floats(answer.get("mtp_losses")))
@@ -256,13 +274,16 @@ def judge_case(answer: dict[str, object], sample: Sample, reference: dict[str, o
     if not error and isinstance(trained, list):
         for index in range(depth_count):
             found = {(int(t[0]), int(t[1]), int(t[2])) for t in trained[index]} if index < len(trained) else set()
-            expected = allowed(sample.sequences, index + 1, forward)
+            expected = allowed(sample.sequences, index + 1, forward, tokens_per_image)
             wrong, missed = compare(found, expected)
+            at_images = None if tokens_per_image is None else \
+                len(image_slot_targets(sample.sequences, found, index + 1, tokens_per_image))
             loss = losses[index] if index < len(losses) else None
             base = reference_losses[index] if index < len(reference_losses) else None
             relerr = None if loss is None or not base else abs(loss - base) / abs(base)
             layer = grads.get(f"mtp.layers.{index}", grads.get("mtp"))
-            depths.append(Depth(index + 1, len(found), len(expected), tuple(wrong), tuple(missed), loss, relerr, layer))
+            depths.append(Depth(index + 1, len(found), len(expected), tuple(wrong), tuple(missed), loss, relerr, layer,
+                                at_images))
     return Case(
         layout=str(answer.get("layout_name", answer.get("layout"))), name=str(answer.get("case")),
         fixes=tuple(str(fix) for fix in _list(answer.get("fixes"))), error=str(error) if error else None,
@@ -294,8 +315,9 @@ def _depth(depth: Depth, case: Case) -> str:
     shared = len(case.depths) > 1 and f"mtp.layers.{depth.depth - 1}" not in case.grad_relerr
     scope = " (the MTP block's: one layer for every depth)" if shared else ""
     grad = "" if depth.grad_relerr is None else f", gradient relerr {_rel(depth.grad_relerr)}{scope}"
+    images = "" if depth.image_targets is None else f", {depth.image_targets} at image slots"
     text = f"depth {depth.depth}: trained {depth.trained} pairs, the mask allows {depth.allowed}; " \
-           f"{len(depth.wrong)} wrong, {len(depth.missed)} missed{loss}{grad}"
+           f"{len(depth.wrong)} wrong, {len(depth.missed)} missed{images}{loss}{grad}"
     if depth.wrong or depth.missed:
         text += f"\n         wrong: {_pairs(depth.wrong)}\n         missed: {_pairs(depth.missed)}"
     return text

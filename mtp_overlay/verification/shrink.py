@@ -36,6 +36,8 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
+    from .vision import Multimodal
+
 KEYSPACES = ("hf", "provider")
 LAYER_MODES = ("auto", "all", "runs")
 ALL_UP_TO = 16  # "auto": patterns this long are kept whole
@@ -113,7 +115,8 @@ class Shrunk:
     has it; settings: provider fields set for the reference (`REFERENCE_SETTINGS`), applied after
     Bridge's import as a recipe would. mtp_depth, repeated_layer (None: Bridge's default), pattern and
     mtp_pattern (hybrid models; None for GPT ones) as built; hybrid: the config is a hybrid (Mamba /
-    MoE / attention pattern) model.
+    MoE / attention pattern) model; multimodal: a Nemotron VL / Omni config's vision side
+    (`vision.shrink_multimodal`), None for a language model.
     """
 
     keyspace: str
@@ -127,6 +130,7 @@ class Shrunk:
     mtp_pattern: str | None
     vocab: int
     experts: int = 0
+    multimodal: Multimodal | None = None
 
     @property
     def hybrid(self) -> bool:
@@ -139,7 +143,7 @@ class Shrunk:
             kept={name: value for name, value in self.kept},
             settings=dict(self.settings),
             mtp_depth=self.mtp_depth, repeated_layer=self.repeated_layer, pattern=self.pattern,
-            mtp_pattern=self.mtp_pattern,
+            mtp_pattern=self.mtp_pattern, multimodal=None if self.multimodal is None else self.multimodal.as_dict(),
         )
 
 

@@ -10,6 +10,7 @@ import pytest
 from mtp_overlay import cli, verification
 
 CONFIG = Path(__file__).parent / "configs" / "nemotron_h_like"
+OMNI = Path(__file__).parent / "configs" / "nemotron_omni_like"
 
 
 class NoEngine:
@@ -61,12 +62,36 @@ def test_cp_that_does_not_divide_the_padded_lengths(capsys):
     assert code == 2 and "--cp 2 cuts each row into 2·CP = 4 chunks" in err
 
 
-def test_a_multimodal_config_says_what_it_waits_for(tmp_path, capsys):
+def test_a_multimodal_config_of_another_family_names_what_verify_builds(tmp_path, capsys):
     values = json.loads((CONFIG / "config.json").read_text())
     values["vision_config"] = {"hidden_size": 1280}
     (tmp_path / "config.json").write_text(json.dumps(values))
     code, err = run(capsys, "--hf-config", str(tmp_path))
-    assert code == 2 and "a multimodal config (vision_config)" in err and "multimodal MTP fix" in err
+    assert code == 2 and "a multimodal config (vision_config) without llm_config" in err
+    assert "Nemotron VL / Omni layout" in err and "megatron-core's LLaVAModel" in err
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--packing", "thd-padded"], "--packing thd-padded: a VL / Omni model is verified with BSHD rows"),
+    (["--forward", "rl"], "--forward rl: a VL / Omni model is verified with labels"),
+    (["--pp", "2"], "--pp 2: the test bed runs a VL / Omni model without pipeline stages"),
+    (["--scatter-embedding", "on"], "--scatter-embedding: LLaVAModel builds its language model with"),
+    (["--pad-multiple", "4"], "--pad-multiple: LLaVAModel pads the combined sequence"),
+    (["--tp", "4", "--sp"], "--tp 4: the model's 2 query groups (key/value heads) do not split over 4"),
+])
+def test_a_vl_config_refuses_what_its_steps_cannot_be_naming_the_flag(capsys, flags, message):
+    code, err = run(capsys, "--hf-config", str(OMNI), *flags)
+    assert code == 2 and message in err, err
+
+
+def test_images_in_the_data_of_a_config_without_a_vision_tower(tmp_path, capsys):
+    sample = tmp_path / "sample.jsonl"
+    sample.write_text('{"tokens": 12, "prompt": 3, "images": [4]}\n')
+    code, err = run(capsys, "--hf-config", str(CONFIG), "--data", str(sample))
+    assert code == 2 and f"--data {sample}: the sample has image placeholders, but the config has no vision" in err
+    sample.write_text('{"tokens": 12, "prompt": 3, "images": [12]}\n')
+    code, err = run(capsys, "--hf-config", str(OMNI), "--data", str(sample))
+    assert code == 2 and f"--data {sample}:1: images must be a list of distinct positions in [0, 12)" in err
 
 
 def test_a_layer_without_a_stand_in_and_a_config_without_mtp(tmp_path, capsys):

@@ -78,12 +78,13 @@ def test_the_sample_keeps_its_shape_and_names_bad_lines(tmp_path):
     lines += [dict(tokens=100 * k, prompt=10 * k) for k in range(1, 9)]
     path = tmp_path / "sample.jsonl"
     path.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
-    pairs, note = data.shrink_sample(data.read_sample(path))
+    shapes, note = data.shrink_sample(data.read_sample(path))
+    pairs = [(shape.tokens, shape.prompt) for shape in shapes]
     assert len(pairs) == data.MAX_SEQUENCES and max(tokens for tokens, _ in pairs) == data.MAX_LENGTH
     assert (data.MAX_LENGTH, round(1000 * data.MAX_LENGTH / 4000)) in pairs  # the longest, its prompt share kept
     assert any(prompt == tokens for tokens, prompt in pairs) and any(prompt == 0 for _, prompt in pairs)
     assert "6 of 11 sequences" in note
-    sequences = data.draw(pairs, 128, seed=3)
+    sequences = data.draw(shapes, 128, seed=3)
     assert all(len(set(s.tokens)) == len(s.tokens) and 0 not in s.tokens for s in sequences)
     for text, message in (('{"tokens": 0}', "tokens must be a positive integer"), ("[3]", "each line must be"),
                           ('{"tokens": 3, "prompt": 4}', "prompt 4 is longer"), ("{", "not JSON")):
