@@ -186,7 +186,7 @@ def verify(
         model=name, layout=layout.name, packing=packing, shrunk=shrunk.as_dict(), built=built, sample=sample.as_dict(),
         reference=judged_as(reference_row, None, None),
         stock=judged[0], overlay=judged[1], ablations=tuple(judged[2:]), search=tuple(searched),
-        needs=_report.needs(judged[1], judged[2:], symptoms(fixes)), not_run=tuple(not_run),
+        needs=_report.needs(judged[1], judged[2:], symptoms(fixes), required_by(fixes)), not_run=tuple(not_run),
         notes=tuple(notes(run_layout, loss, shrunk, packing, pad_multiple)), phases=tuple(phases), tolerance=tolerance,
     )
 
@@ -329,6 +329,14 @@ def symptoms(fixes: list[str]) -> dict[str, str]:
     from ..declarations import load
 
     return {fix: load(fix).symptom for fix in fixes}
+
+
+def required_by(fixes: list[str]) -> dict[str, tuple[str, ...]]:
+    """Per fix, the other fixes of ``fixes`` that require it (``Declaration.requires``): without it they
+    do not install either, so its row may show theirs."""
+    from ..declarations import load
+
+    return {fix: tuple(other for other in fixes if fix in load(other).requires) for fix in fixes}
 
 
 def nemo_rl_multiple(layout: Layout) -> int:

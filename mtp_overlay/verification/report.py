@@ -112,12 +112,14 @@ class Case:
 class Need:
     """A fix this config needs: the case that shows why (the overlay without it) and, where that case
     was refused by a fix that reads this one's state, the case without both (what the defect does);
-    ``symptom``: what goes wrong on stock, from the fix's declaration."""
+    ``symptom``: what goes wrong on stock, from the fix's declaration; ``required_by``: the fixes of the
+    overlay that require it (without it they are not installed either)."""
 
     fix: str
     case: Case
     deeper: Case | None = None
     symptom: str = ""
+    required_by: tuple[str, ...] = ()
 
     @property
     def why(self) -> str:
@@ -176,7 +178,8 @@ class Report:
             reference=self.reference.as_dict(), stock=self.stock.as_dict(), overlay=self.overlay.as_dict(),
             without=[case.as_dict() for case in self.ablations], search=[case.as_dict() for case in self.search],
             needs=[dict(fix=need.fix, why=need.why, case=need.case.name, symptom=need.symptom,
-                        deeper=None if need.deeper is None else need.deeper.name) for need in self.needs],
+                        deeper=None if need.deeper is None else need.deeper.name, required_by=list(need.required_by))
+                   for need in self.needs],
             new_defects=[dict(where=where, problems=case.problems(), case=case.as_dict())
                          for where, case in self.new_defects()],
             not_run=list(self.not_run), notes=list(self.notes), phases=[list(phase) for phase in self.phases],
@@ -223,6 +226,9 @@ class Report:
         lines += ["", "fixes this config needs:"]
         for need in self.needs:
             lines += [f"   {need.fix}: without it, {need.why}"]
+            if need.required_by:
+                lines += [f"      ({', '.join(need.required_by)} requires it: without it "
+                          f"{'that fix is' if len(need.required_by) == 1 else 'those are'} not installed either)"]
             if need.symptom:
                 lines += [f"      (on stock: {need.symptom})"]
         if not self.needs:
@@ -293,8 +299,8 @@ def judge_case(answer: dict[str, object], sample: Sample, reference: dict[str, o
     )
 
 
-def needs(overlay: Case, ablations: tuple[Case, ...] | list[Case],
-          symptoms: dict[str, str] | None = None) -> tuple[Need, ...]:
+def needs(overlay: Case, ablations: tuple[Case, ...] | list[Case], symptoms: dict[str, str] | None = None,
+          required_by: dict[str, tuple[str, ...]] | None = None) -> tuple[Need, ...]:
     """The fixes whose absence makes the overlay differ, or differ otherwise (module docstring): each
     ablation that leaves out one fix; one that leaves out two completes the first's row (`Need`)."""
     by_removed = {tuple(sorted(set(overlay.fixes) - set(case.fixes))): case for case in ablations}
@@ -306,7 +312,8 @@ def needs(overlay: Case, ablations: tuple[Case, ...] | list[Case],
             continue
         fix = removed[0]
         deeper = next((other for key, other in by_removed.items() if len(key) == 2 and fix in key), None)
-        found.append(Need(fix, case, deeper if case.error else None, (symptoms or {}).get(fix, "")))
+        found.append(Need(fix, case, deeper if case.error else None, (symptoms or {}).get(fix, ""),
+                          (required_by or {}).get(fix, ())))
     return tuple(found)
 
 

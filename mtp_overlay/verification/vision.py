@@ -41,7 +41,8 @@ VISION = dict(model="CLIP ViT (megatron-core CLIPViTModel)", layers=1, image_siz
 VISION_WHY = ("RADIO runs images only through its dynamic-resolution packed (THD, non-causal) attention, which has "
               "no CPU stand-in")
 SCATTER = "False (LLaVAModel builds its language model so whatever the provider says: llava_model.py:239,257)"
-SOUND_ID = VOCAB - 2  # the sound token when the config names none: an id no text token is drawn from
+SOUND_ID = VOCAB - 2  # the sound token when the config names none (or 0): an id no text token is drawn from
+PADDING = 0  # the batches' padding id (data.draw never draws it)
 IMAGE_ID = VOCAB - 1  # where an in-vocabulary image token the shrink would cut off goes
 
 
@@ -52,7 +53,8 @@ class Multimodal:
     image_token: the image token id in the shrunk config (None: the config names none; Bridge's provider
     has its own default); reserved: ids the sample's text must not hold (the image and sound tokens);
     provider: provider fields the engine sets after Bridge's import, where the provider has them (the
-    sound token: the config's, else `SOUND_ID`; Bridge maps it only with a sound encoder,
+    sound token: the config's, else (or where it is 0, the batches' padding id and the providers'
+    default) `SOUND_ID`; Bridge maps it only with a sound encoder,
     ``nemotron_omni_bridge.py:109-116``, and LLaVAModel takes every token equal to it for a sound slot,
     ``llava_model.py:657-672``); not_run: what the run leaves out, in words; vision: the tower built
     (`VISION`)."""
@@ -147,7 +149,7 @@ def _vision_side(given: Mapping[str, object], values: dict[str, object], changes
         changes.append(Change(keys["image"], given.get(keys["image"]), image,
                               "the image token keeps its side of the vocabulary"))
     sound = _token(given.get(keys["sound"]), real_vocab, language.vocab, SOUND_ID)
-    sound = SOUND_ID if sound is None else sound
+    sound = SOUND_ID if sound in (None, PADDING) else sound  # a provider's 0 means none was given
     not_run = []
     if given.get(keys["sound_encoder"]):
         if keyspace == "provider":

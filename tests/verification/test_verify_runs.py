@@ -163,3 +163,72 @@ def test_pipeline_stages_through_megatrons_pipelined_schedule(tmp_path):
         "                            seq_length=64, mtp_num_layers=1, share_embeddings_and_output_weights=True)\n")
     with pytest.raises(ValueError, match="--pp 2 with tied embeddings"):
         verification.verify(provider=f"{recipe}:provider", pp=2, engine=engine())
+
+
+OMNI = Path(__file__).parent / "configs" / "nemotron_omni_like"
+# what the CLIP stand-in changes of the LLaVAModel arguments Bridge's Omni provider passes (cpu_shims.bridge_vl_clip_vision)
+CLIP_SUBSTITUTIONS = {"vision.vision_model_type", "vision.num_layers", "vision.num_attention_heads",
+                      "vision.num_query_groups", "vision.kv_channels", "vision.hidden_size", "vision.ffn_hidden_size",
+                      "img_h", "img_w", "pixel_shuffle", "dynamic_resolution"}
+OMNI_PROVIDER = """
+def provider():
+    from megatron.bridge.models.nemotron_omni.nemotron_omni_provider import NemotronOmniModelProvider
+
+    return NemotronOmniModelProvider(
+        hybrid_layer_pattern="M*E-", mtp_hybrid_override_pattern="*E", mtp_num_layers=1, hidden_size=1024,
+        num_attention_heads=8, num_query_groups=2, kv_channels=128, ffn_hidden_size=4096, num_moe_experts=16,
+        moe_router_topk=2, moe_ffn_hidden_size=512, moe_shared_expert_intermediate_size=1024, mamba_num_heads=32,
+        mamba_head_dim=64, mamba_num_groups=4, vocab_size=32000, seq_length=4096, image_token_index=18,
+        language_model_type="nemotron6-moe", vision_proj_ffn_hidden_size=4096)
+"""
+
+
+def judged_positions_hold(case):
+    """Every MTP depth of ``case`` trained exactly the combined-slot pairs the oracle allows, none at an
+    image slot."""
+    assert case.depths and all(depth.trained == depth.allowed > 0 and not depth.wrong and not depth.missed
+                               and depth.image_targets == 0 for depth in case.depths), case.problems()
+
+
+@pytest.mark.slow
+@needs_bridge
+def test_a_nemotron_omni_config_verifies_with_images_at_tp2_sp_and_an_omni_provider_at_cp2(tmp_path):
+    """The Nemotron-Omni-like folder (its llm_config the NemotronH-like one: M, E and * layers, MTP "*E" at 2
+    depths, one repeated layer) at TP2+SP: Megatron-Bridge's own Omni provider builds NemotronOmniModel
+    around megatron-core's LLaVAModel (a CLIP ViT for RADIO, every other argument Bridge's), images in the
+    microbatches; stock crashes; the overlay trains exactly the oracle's combined-slot pairs, none at an
+    image slot, with the MTP loss and gradients of the language model run on the hand-built combined ids;
+    mtp-multimodal and mtp-sp-scatter are needed with the rows that show why. A Bridge Omni provider in
+    a Python file at CP2 verifies too and needs mtp-cp-loss-scale instead of mtp-sp-scatter."""
+    report = verification.verify(OMNI, tp=2, sp=True, engine=engine())
+    assert report.ok and report.exit_code == 0 and report.packing == "none", report.text()
+    built = report.built
+    assert built["wrapper"] == "NemotronOmniModel around LLaVAModel" and built["model"] == "HybridModel"
+    assert built["vision_model"] == "CLIPViTModel" and built["image_token_index"] == 18
+    assert built["tokens_per_image"] == 4 and built["hybrid_layer_pattern"] == "ME*/*E/*E"
+    assert {item["name"] for item in built["substituted"]} == CLIP_SUBSTITUTIONS
+    settings = {item["field"]: item["set"] for item in built["provider_settings"]}
+    # Bridge's Omni bridge drops the llm_config's MTP pattern: without it the model would have no MTP block
+    assert settings["mtp_hybrid_override_pattern"] == "*E" and settings["sound_context_token_id"] == 27
+    assert report.stock.error == "TypeError: '<' not supported between instances of 'NoneType' and 'int'"
+    for case in (report.reference, report.overlay):
+        judged_positions_hold(case)
+    for depth in report.overlay.depths:
+        assert depth.loss_relerr <= 1e-6 and depth.grad_relerr <= 1e-6
+    assert report.overlay.grad_relerr["encoder"] <= 1e-6  # the vision tower and projector, through the MTP loss too
+    needs = {need.fix: need for need in report.needs}
+    assert set(needs) == {"mtp-multimodal", "mtp-sp-scatter", "mtp-loss-mask"}
+    assert needs["mtp-multimodal"].case.error == report.stock.error
+    assert needs["mtp-sp-scatter"].case.error.startswith("RuntimeError: Sizes of tensors must match")
+    assert needs["mtp-loss-mask"].required_by == ("mtp-multimodal",)
+    text = report.text()
+    assert "LLaVAModel vision.vision_model_type: radio -> clip" in text and "not run: sound" in text
+    assert "mtp-multimodal: without it, crash: TypeError" in text and "OK:" in text
+
+    recipe = tmp_path / "omni_recipe.py"
+    recipe.write_text(OMNI_PROVIDER)
+    report = verification.verify(provider=f"{recipe}:provider", cp=2, engine=engine(), search=False)
+    assert report.ok and report.layout == "CP2", report.text()
+    judged_positions_hold(report.overlay)
+    assert report.stock.error.startswith("TypeError: embedding(): argument 'indices'")
+    assert {need.fix for need in report.needs} == {"mtp-multimodal", "mtp-cp-loss-scale", "mtp-loss-mask"}
