@@ -172,8 +172,8 @@ def patched_on_disk(fix, manifest=None):
         return None
     try:
         state = survey(fix, manifest or load(), verify=False).state
-    except ManifestError:  # an install without patches/: `mtp-overlay patch` reports it, status goes on
-        return None
+    except (ManifestError, PatchError):  # no patches/ here, or no git to read an edited file with:
+        return None  # `mtp-overlay patch` says which; status and check go on
     return {State.APPLIED: True, State.NEEDED: False}.get(state)
 
 

@@ -8,6 +8,7 @@ pinned megatron-core, before and after `mtp-overlay patch apply`.
 
 import json
 import os
+import sys
 
 from pins import MEGATRON_CORE
 from test_patching import patch, site_copy
@@ -41,3 +42,19 @@ def test_check_rows_carry_the_state_and_the_patch_on_disk_that_status_reports(tm
     assert [seen[label][1]["patched"] for label in seen] == [False, True, True]
     assert [seen[label][1]["state"] for label in seen] == ["pending", "pending", "disabled"]
     assert [seen[label][1]["verdict"] for label in seen] == ["needed", "redundant", "redundant"]
+
+
+def test_status_and_check_say_unknown_where_no_git_can_read_an_edited_file(tmp_path):
+    """A locally edited module decides nothing by its hash; telling "patched, then edited" from
+    "edited" takes `git apply --reverse`. Without git both commands still answer, patched null."""
+    site = site_copy(MEGATRON_CORE, tmp_path)
+    module = site / "megatron" / "core" / "transformer" / "multi_token_prediction.py"
+    module.write_text(module.read_text() + "# a local edit\n")
+    bare = tmp_path / "bin"  # a PATH with python but no git
+    bare.mkdir()
+    (bare / "python").symlink_to(sys.executable)
+    env = {**os.environ, "PATH": str(bare)}
+    _, status = cli_rows(site, "status", env=env)
+    code, check = cli_rows(site, "check", "--only", FIX, env=env)
+    assert code == 0 and status[FIX]["patched"] is None and check[FIX]["patched"] is None
+    assert check[FIX]["verdict"] == "needed" and check[FIX]["state"] == status[FIX]["state"] == "pending"
