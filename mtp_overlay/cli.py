@@ -167,5 +167,6 @@ def main(argv: "list[str] | None" = None) -> int:
     finally:
         sys.stdout = stdout
 
+
 if __name__ == "__main__":
     sys.exit(main())
