@@ -72,8 +72,10 @@ Metrics (``metrics``)
 
 Refit freshness (``refit``)
     fingerprint(named_tensors, keep=None, dtype=None) -> {name: TensorDigest(shape, dtype, size, checksum)}
-        Per-tensor checksums on the tensors' own devices (exact integer sums of their bytes: equal
-        bytes give equal digests on any device; ``dtype`` casts first, for a bf16 wire).
+        Per-tensor checksums on the tensors' own devices (two polynomial hashes of their bytes, order-
+        sensitive across the whole tensor, exact integers: equal bytes give equal digests on any device;
+        any change to one element of up to 4 bytes is caught; what is guaranteed: ``refit``'s docstring;
+        ``dtype`` casts first, for a bf16 wire).
     record_fingerprints(named_tensors, into, keep=None, dtype=None)  (generator: pairs unchanged)
         The receiving side: wrap what the drafter's load_weights consumes.
     compare_fingerprints(expected, received) -> {name: why}; check_fresh(...) raises StaleDrafterError
