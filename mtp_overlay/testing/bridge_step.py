@@ -38,6 +38,10 @@ BATCH_SIZE, SEQ_LENGTH, PROMPT_TOKENS, PADDING = 2, 32, 12, (0, 8)
 VOCAB_SIZE, EOS_ID = 128, 0
 # the repeated-layer recipe of the export defect: one shared MTP layer applied this many times
 MTP_REPEATS = 2
+# Bridge's step modules whose forward_step runs _forward_step_common: gpt_step's own, and
+# DeepSeek-V4's (models/deepseek/deepseek_v4_step.py:45 binds it by name; its get_batch at :149)
+STEPS = {"gpt_step": "megatron.bridge.training.gpt_step",
+         "deepseek_v4_step": "megatron.bridge.models.deepseek.deepseek_v4_step"}
 
 
 def import_gpt_step():
@@ -53,6 +57,16 @@ def import_gpt_step():
         gpt_step = importlib.import_module("megatron.bridge.training.gpt_step")
         importlib.import_module("megatron.bridge.training.utils.train_utils")
     return gpt_step
+
+
+def import_step(step="gpt_step"):
+    """The Bridge step module ``step`` (a key of `STEPS`), imported as `import_gpt_step` does."""
+    import importlib
+
+    if step not in STEPS:
+        raise ValueError(f"step must be one of {sorted(STEPS)}, got {step!r}")
+    import_gpt_step()
+    return importlib.import_module(STEPS[step])
 
 
 def step_state(provider, *, check_for_nan_in_loss=True):
@@ -126,7 +140,8 @@ def mtp_positions(loss_mask, depth=1):
 class SftMtpCase:
     """One SFT microbatch through Bridge's ``forward_step`` and through a direct forward, this layout.
 
-    layout: "TP1", "CP2", "TP2xCP2"...; built: "<provider class> -> <model class>". allowed / every:
+    layout: "TP1", "CP2", "TP2xCP2"...; built: "<provider class> -> <model class>"; step: the Bridge
+    step module whose ``forward_step`` ran (`STEPS`). allowed / every:
     `mtp_positions` of the batch (depth 1). trained / direct_trained: the (row, position) pairs MTP
     depth 1 back-propagated a loss from (``packed.record_mtp``), over the full rows (CP ranks
     gathered), in Bridge's step and in the direct one. bridge / direct: the two
@@ -137,6 +152,7 @@ class SftMtpCase:
     kind: str
     layout: str
     built: str
+    step: str
     allowed: tuple
     every: tuple
     trained: tuple
@@ -158,13 +174,14 @@ class SftMtpCase:
         return self.bridge.relative_error(self.direct, "mtp")
 
 
-def sft_mtp_cases(kinds=("qwen3", "nemotron_h"), *, seed=1234):
+def sft_mtp_cases(kinds=("qwen3", "nemotron_h"), *, seed=1234, step="gpt_step"):
     """Worker: `sft_mtp_case` of each kind in turn on this rank's layout; one SftMtpCase each."""
-    return [sft_mtp_case(kind, seed=seed) for kind in kinds]
+    return [sft_mtp_case(kind, seed=seed, step=step) for kind in kinds]
 
 
-def sft_mtp_case(kind, *, seed=1234):
-    """`SftMtpCase` of ``kind`` (``bridge.KINDS``) on this rank's TP/CP layout (no optimizer step).
+def sft_mtp_case(kind, *, seed=1234, step="gpt_step"):
+    """`SftMtpCase` of ``kind`` (``bridge.KINDS``) on this rank's TP/CP layout (no optimizer step),
+    Bridge's side through the ``forward_step`` of step module ``step`` (`STEPS`).
 
     Each path gets its own model, built alike from ``seed`` (identical weights), and the same batch.
     """
@@ -177,7 +194,7 @@ def sft_mtp_case(kind, *, seed=1234):
     batch = sft_batch()
     model = build_bridge_model(kind, seed=seed)
     with record_mtp(model) as records:
-        bridge = run_bridge_step(model, [batch])
+        bridge = run_bridge_step(model, [batch], step=step)
     bridge_trained = _trained_positions(records)
     direct_model = build_bridge_model(kind, seed=seed)
     direct_batch = dict(input_ids=batch["tokens"], labels=batch["labels"], position_ids=batch["position_ids"],
@@ -188,7 +205,7 @@ def sft_mtp_case(kind, *, seed=1234):
     tp, cp = parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_context_parallel_world_size()
     return SftMtpCase(
         kind=kind, layout="x".join(([f"TP{tp}"] if tp > 1 or cp == 1 else []) + ([f"CP{cp}"] if cp > 1 else [])),
-        built=f"{type(model.config).__name__} -> {type(model).__name__}",
+        built=f"{type(model.config).__name__} -> {type(model).__name__}", step=step,
         allowed=allowed, every=every, trained=bridge_trained, direct_trained=_trained_positions(records),
         bridge=bridge, direct=direct,
     )
@@ -215,23 +232,24 @@ def bridge_microbatch(batch):
     return cpu_batch(dict(batch)) if installed() else dict(batch)
 
 
-def run_bridge_step(model, microbatches, *, update=False):
-    """One step of Megatron's schedule with Bridge's own ``gpt_step.forward_step`` on ``model``.
+def run_bridge_step(model, microbatches, *, update=False, step="gpt_step"):
+    """One step of Megatron's schedule with Bridge's own ``forward_step`` on ``model``: gpt_step's,
+    or that of another step module of `STEPS`.
 
     microbatches: full-length Bridge batches (`sft_batch`'s keys); Bridge's ``get_batch`` slices
     them for CP itself. update: with megatron-core's optimizer step. Returns the MegatronStepResult.
     """
     from .megatron_step import MegatronStep
 
-    gpt_step = import_gpt_step()
+    module = import_step(step)
     from megatron.bridge.training.utils.train_utils import prepare_forward_step_func
 
-    step = MegatronStep(model, optimizer="megatron" if update else None)
-    forward_step = prepare_forward_step_func(gpt_step.forward_step, step_state(model.config))
+    megatron_step = MegatronStep(model, optimizer="megatron" if update else None)
+    forward_step = prepare_forward_step_func(module.forward_step, step_state(model.config))
     shape = microbatches[0]["tokens"].shape
-    return step.run(forward_step, iter([bridge_microbatch(batch) for batch in microbatches]),
-                    num_microbatches=len(microbatches), micro_batch_size=shape[0],
-                    seq_length=shape[1], update=update)
+    return megatron_step.run(forward_step, iter([bridge_microbatch(batch) for batch in microbatches]),
+                             num_microbatches=len(microbatches), micro_batch_size=shape[0],
+                             seq_length=shape[1], update=update)
 
 
 # --- mtp_num_layers: 0 on a repeated-layer NemotronH ------------------------------------------------
