@@ -4,6 +4,7 @@ Exit codes: 0 done, 1 the command ran and found a problem it was asked to fail o
 """
 
 import argparse
+import contextlib
 import json
 import sys
 
@@ -12,7 +13,7 @@ from .patching import command as patch_command
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Iterator
 
     from .contract import FixStatus
 
@@ -46,14 +47,40 @@ def _check(args: argparse.Namespace) -> int:
 
     registry.uninstall(args.only)  # probe the stock code: no hook fires (or raises) while targets import
     stock_run: "Callable[[str], tuple[bool, str]] | None" = None
+    imports: "contextlib.AbstractContextManager[None]" = contextlib.nullcontext()
     if args.run_stock:
         from .testing import reproducers  # the test bed, reached only from `check --run`
+        from .testing.bridge import import_stand_ins
 
         stock_run = reproducers.stock_run
-    rows = registry.check(args.only, stock_run=stock_run)
+        # the targets import as the stock runs do: where an optional package of Bridge's is missing
+        # (Transformer Engine, ModelOpt... on a CPU machine), through the test bed's scoped stand-ins
+        imports = import_stand_ins()
+    with imports, _stdout_to_stderr() if args.json else contextlib.nullcontext():
+        rows = registry.check(args.only, stock_run=stock_run)
     _rows(rows, args, CHECK_COLUMNS + (["run"] if args.run_stock else []))
     failing = set(State.FAILING) | ({State.REDUNDANT} if args.fail_on_redundant else set())
     return 1 if any(row.verdict in failing for row in rows) else 0
+
+
+@contextlib.contextmanager
+def _stdout_to_stderr() -> "Iterator[None]":
+    """While the block runs, whatever this process and the processes it starts print goes to stderr,
+    so that ``--json``'s stdout is the JSON alone: the targets' imports print (megatron-core 0.19's
+    ``megatron/training/training.py``, which Bridge imports, logs INFO to stdout; so do the test
+    bed's ranks under ``--run``). Python objects made meanwhile keep stderr (a log handler)."""
+    import os
+
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -84,7 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--only", action="append", metavar="FIX", help="this fix only (repeatable)")
     check.add_argument("--fail-on-redundant", action="store_true", help="exit 1 when a fix is already upstream")
     check.add_argument("--run", action="store_true", dest="run_stock",
-                       help="also run each fix's stock code path (test bed) and report a disagreement with the probe")
+                       help="also run each fix's stock code path (test bed) and report a disagreement with the probe; "
+                       "the targets then import as in the test bed (Bridge's missing optional packages stood in)")
     check.set_defaults(run=_check)
     demo = commands.add_parser("demo", help="the tiny GPT+MTP on 2 gloo ranks, each fix off and on")
     demo.set_defaults(run=_demo)
