@@ -7,7 +7,7 @@ from ..launcher import run_ranks_checked
 
 def reproduce():
     [case] = run_ranks_checked(mtp_off_cases, 1, args=((0,),), fixes=[], timeout=900)[0]
-    step = f"raised {case.error} (at {case.error_at})" if case.error else "trained"
+    step = f"raised {case.error.rstrip(': ')} (at {case.error_at})" if case.error else "trained"
     return case.mtp_block or case.error is not None, (
         f"repeated-layer NemotronH, mtp_num_layers=0: finalized pattern {case.pattern!r}, MTP block built: "
         f"{case.mtp_block}; Bridge's first step {step}"
