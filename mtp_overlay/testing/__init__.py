@@ -100,9 +100,12 @@ Usage (``fn`` must be a module-level function, its arguments and return value pi
   and the tests measure for the patch manifest.
 * ``bridge``: models built through Megatron-Bridge 0.6 providers (``AutoBridge.from_hf_config`` of
   tiny local Qwen3 / NemotronH configs, and a NemotronH config with the zoo's MoE layers and MTP);
-  importable without Bridge (``bridge_installed()``).
-* ``bridge_step``: Bridge's own ``gpt_step.forward_step`` through ``MegatronStep.run`` (``run_bridge_step``,
-  ``step_state``: what it reads of Bridge's GlobalState), and the three Bridge MTP defects as cases a
+  importable without Bridge (``bridge_installed()``); ``import_stand_ins()``: Bridge's modules imported
+  by name (a fix's targets: the contract test, ``check --run``, the support matrix) through the
+  scoped stand-ins of its missing optional packages.
+* ``bridge_step``: Bridge's own ``gpt_step.forward_step`` (or DeepSeek-V4's, ``step=``) through
+  ``MegatronStep.run`` (``run_bridge_step``, ``step_state``: what it reads of Bridge's GlobalState),
+  and the three Bridge MTP defects as cases a
   fix's test calls with the fix off or on: ``sft_mtp_cases`` (positions trained vs allowed, and a
   direct forward with the mask), ``mtp_off_cases`` / ``omni_finalize`` (``mtp_num_layers: 0``),
   ``export_case`` / ``exported_drafters`` (HF export -> vLLM's real NemotronHMTP).
