@@ -56,7 +56,7 @@ def _check(args: argparse.Namespace) -> int:
         # the targets import as the stock runs do: where an optional package of Bridge's is missing
         # (Transformer Engine, ModelOpt... on a CPU machine), through the test bed's scoped stand-ins
         imports = import_stand_ins()
-    with imports, _stdout_to_stderr() if args.json else contextlib.nullcontext():
+    with imports, _stdout_to_stderr():
         rows = registry.check(args.only, stock_run=stock_run)
     _rows(rows, args, CHECK_COLUMNS + (["run"] if args.run_stock else []))
     failing = set(State.FAILING) | ({State.REDUNDANT} if args.fail_on_redundant else set())
@@ -66,9 +66,10 @@ def _check(args: argparse.Namespace) -> int:
 @contextlib.contextmanager
 def _stdout_to_stderr() -> "Iterator[None]":
     """While the block runs, whatever this process and the processes it starts print goes to stderr,
-    so that ``--json``'s stdout is the JSON alone: the targets' imports print (megatron-core 0.19's
-    ``megatron/training/training.py``, which Bridge imports, logs INFO to stdout; so do the test
-    bed's ranks under ``--run``). Python objects made meanwhile keep stderr (a log handler)."""
+    so that stdout is the report alone (``--json``: parseable): the targets' imports print
+    (megatron-core 0.19's ``megatron/training/training.py``, which Bridge imports, logs INFO to
+    stdout), and so do the test bed's ranks under ``--run``. Python objects made meanwhile keep
+    stderr (a log handler)."""
     import os
 
     sys.stdout.flush()
