@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 BRIDGE = "NemotronHBridge"
 EXPORT = "megatron_to_hf_config"
 DEPTH, PATTERN = "num_nextn_predict_layers", "mtp_hybrid_override_pattern"
-SYMBOLS = frozenset("ME*-")  # what the stock export accepts in a layer pattern (nemotron_h_bridge.py:332)
+SYMBOLS = frozenset("ME*-")  # what the stock export accepts in a layer pattern (nemotron_h_bridge.py:331)
 # Bridge issue #5946's repeated-layer provider, and the same MTP not finalized (its pattern beside it)
 REPEATED = dict(hybrid_layer_pattern="MEME/*E/*E", mtp_num_layers=2, mtp_use_repeated_layer=True)
 UNFINALIZED = dict(hybrid_layer_pattern="MEME", mtp_hybrid_override_pattern="*E", mtp_num_layers=2,
