@@ -5,6 +5,7 @@ reader that leaves early (``| head``, ``| true``) changes none of them.
 """
 
 import argparse
+import contextlib
 import json
 import sys
 
@@ -13,7 +14,7 @@ from .patching import command as patch_command
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Iterator
     from typing import TextIO
 
     from .contract import FixStatus
@@ -53,17 +54,44 @@ def _check(args: argparse.Namespace) -> int:
     before = {row.name: row for row in registry.status(args.only, patched=patched_on_disk)}
     registry.uninstall(args.only)  # probe the stock code: no hook fires (or raises) while targets import
     stock_run: "Callable[[str], tuple[bool, str]] | None" = None
+    imports: "contextlib.AbstractContextManager[None]" = contextlib.nullcontext()
     if args.run_stock:
         from .testing import reproducers  # the test bed, reached only from `check --run`
+        from .testing.bridge import import_stand_ins
 
         stock_run = reproducers.stock_run
-    rows = registry.check(args.only, stock_run=stock_run)
+        # the targets import as the stock runs do: where an optional package of Bridge's is missing
+        # (Transformer Engine, ModelOpt... on a CPU machine), through the test bed's scoped stand-ins
+        imports = import_stand_ins()
+    with imports, _stdout_to_stderr():
+        rows = registry.check(args.only, stock_run=stock_run)
     for row in rows:
         row.state, row.patched = before[row.name].state, before[row.name].patched
     failing = set(State.FAILING) | ({State.REDUNDANT} if args.fail_on_redundant else set())
     code = 1 if any(row.verdict in failing for row in rows) else 0
     _rows(rows, args, CHECK_COLUMNS + (["run"] if args.run_stock else []))
     return code
+
+
+@contextlib.contextmanager
+def _stdout_to_stderr() -> "Iterator[None]":
+    """While the block runs, whatever this process and the processes it starts print goes to stderr,
+    so that stdout is the report alone (``--json``: parseable): the targets' imports print
+    (megatron-core 0.19's ``megatron/training/training.py``, which Bridge imports, logs INFO to
+    stdout), and so do the test bed's ranks under ``--run``. Python objects made meanwhile keep
+    stderr (a log handler)."""
+    import os
+
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -168,7 +196,8 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--only", action="append", metavar="FIX", help="this fix only (repeatable)")
     check.add_argument("--fail-on-redundant", action="store_true", help="exit 1 when a fix is already upstream")
     check.add_argument("--run", action="store_true", dest="run_stock",
-                       help="also run each fix's stock code path (test bed) and report a disagreement with the probe")
+                       help="also run each fix's stock code path (test bed) and report a disagreement with the probe; "
+                       "the targets then import as in the test bed (Bridge's missing optional packages stood in)")
     check.set_defaults(run=_check)
     demo = commands.add_parser("demo", help="the tiny GPT+MTP on 2 gloo ranks, each fix off and on")
     demo.set_defaults(run=_demo)
