@@ -41,6 +41,10 @@ FIXES = (
         "vllm.model_executor.model_loader.reload.layerwise",
         "vllm.model_executor.model_loader.reload",
         "vllm.model_executor.model_loader.reload.inplace",
+        "vllm.v1.worker.gpu_worker",
+        "vllm.v1.worker.gpu_model_runner",
+        "vllm.v1.worker.gpu.model_runner",
+        "vllm.distributed.weight_transfer.base",
     )),
 )
 REQUIRES: "dict[str, tuple[str, ...]]" = {}
