@@ -52,7 +52,6 @@ from .accounting import (
     checked_load_weights,
     counted,
     discard_refit,
-    drafter_refit,
     end_on_reload,
     end_refit,
     last_call_report,
@@ -85,6 +84,44 @@ RELOADS = ("reload_layerwise", "reload", "reload_inplace")
 WORKER = {"start_weight_update": freshness.on_target_session_start, "finish_weight_update": freshness.on_session_finish}
 RUNNER = {"reload_weights": freshness.on_reload_weights, "execute_model": freshness.on_execute_model}
 RUNNERS = ("runner_v1", "runner_v2")
+
+
+class drafter_refit:
+    """``with drafter_refit(drafter): ...`` makes the ``load_weights`` calls of the block one refit,
+    reported when the block exits normally (an exception discards it: the refit already failed).
+
+    Works with the runtime hook and with the source patch (vLLM's own ``MTPDrafterRefits``); a no-op
+    when the fix is disabled. ``.report`` holds the RefitReport after the block (hook only).
+    """
+
+    def __init__(self, model):
+        self.model, self.report = model, None
+        if is_drafter(model):
+            self._begin, self._end, self._discard = begin_refit, end_refit, discard_refit
+        elif FIX._patched(getattr(type(model), "load_weights", _no_code)):
+            from vllm.model_executor.models.utils import MTPDrafterRefits
+
+            self._begin, self._end, self._discard = MTPDrafterRefits.begin, MTPDrafterRefits.end, MTPDrafterRefits.discard
+        elif type(model).__name__ in DRAFTERS.values():
+            self._begin = self._end = self._discard = _no_code  # the fix is disabled
+        else:
+            raise TypeError(f"model must be a vLLM MTP drafter ({', '.join(DRAFTERS.values())}), got {type(model).__name__}")
+
+    def __enter__(self):
+        self._begin(self.model)
+        return self
+
+    def __exit__(self, kind, value, traceback):
+        if kind is None:
+            self.report = self._end(self.model)
+        else:
+            self._discard(self.model)
+        return False
+
+
+def _no_code(*args):
+    """The refit boundaries of a disabled fix, and what a class without load_weights offers."""
+    return None
 
 
 def _parameters(function):

@@ -12,7 +12,7 @@ ends when a call carries a name an earlier call of it carried (the trainer's nex
 import re
 
 from ...calls import argument, with_argument
-from . import freshness
+from .freshness import drafter_refreshed, target_reloaded
 from .tables import is_drafter, lock, say, table
 
 TYPE_CHECKING = False
@@ -241,7 +241,7 @@ def end_refit(model):
         report = _close(model)
         refreshed = any(name in shape_of(model).layer_of for name in refit.loaded)
     if refreshed:
-        freshness.drafter_refreshed(model)
+        drafter_refreshed(model)
     return _emit(report)
 
 
@@ -249,46 +249,6 @@ def discard_refit(model):
     """Forget the open refit of ``model`` without a report (the refit itself failed)."""
     with lock:
         table("refits").pop(model, None)
-
-
-class drafter_refit:
-    """``with drafter_refit(drafter): ...`` makes the ``load_weights`` calls of the block one refit,
-    reported when the block exits normally (an exception discards it: the refit already failed).
-
-    Works with the runtime hook and with the source patch (vLLM's own ``MTPDrafterRefits``); a no-op
-    when the fix is disabled. ``.report`` holds the RefitReport after the block (hook only).
-    """
-
-    def __init__(self, model):
-        from . import DRAFTERS, FIX
-
-        self.model, self.report = model, None
-        if is_drafter(model):
-            self._begin, self._end, self._discard = begin_refit, end_refit, discard_refit
-        elif FIX._patched(getattr(type(model), "load_weights", _no_code)):
-            from vllm.model_executor.models.utils import MTPDrafterRefits
-
-            self._begin, self._end, self._discard = MTPDrafterRefits.begin, MTPDrafterRefits.end, MTPDrafterRefits.discard
-        elif type(model).__name__ in DRAFTERS.values():
-            self._begin = self._end = self._discard = _no_code  # the fix is disabled
-        else:
-            raise TypeError(f"model must be a vLLM MTP drafter ({', '.join(DRAFTERS.values())}), got {type(model).__name__}")
-
-    def __enter__(self):
-        self._begin(self.model)
-        return self
-
-    def __exit__(self, kind, value, traceback):
-        if kind is None:
-            self.report = self._end(self.model)
-        else:
-            self._discard(self.model)
-        return False
-
-
-def _no_code(*args):
-    """The refit boundaries of a disabled fix, and what a class without load_weights offers."""
-    return None
 
 
 def last_refit_report(model):
@@ -362,7 +322,7 @@ def checked_load_weights(wrapped: "Callable[..., Any]", instance: "Any", args: "
         raise
     reports, refreshed = _settle(instance, call, set(loaded or ()))
     if refreshed:
-        freshness.drafter_refreshed(instance)
+        drafter_refreshed(instance)
     for report in reports:
         _emit(report)
     return loaded
@@ -419,5 +379,5 @@ def end_on_reload(wrapped, instance, args, kwargs):
     if drafter:
         end_refit(model)
     elif model is not None:
-        freshness.target_reloaded(model)
+        target_reloaded(model)
     return result
