@@ -302,14 +302,13 @@ def record_of(subject):
 
 def refits_behind(subject):
     """How many target refits the drafter of ``subject`` (a vLLM Worker, model runner, target model or
-    drafter) is behind: 0 when fresh, None when the fix knows no drafter for it. Callable as
+    drafter) is behind: 0 when fresh, None when the fix knows no drafter and target pair for it. Callable as
     ``llm.collective_rpc(refits_behind)`` (vLLM hands each worker in)."""
     record = record_of(subject)
-    return None if record is None else record.behind
+    return None if record is None or record.target is None else record.behind
 
 
 def staleness():
-    """One dict per drafter the fix has met in this process (`Freshness.as_dict`)."""
+    """One dict per drafter of this process whose target the fix knows (`Freshness.as_dict`)."""
     with lock:
-        records = {id(record): record for record in list(table("drafters").values())}
-        return [record.as_dict() for record in records.values()]
+        return [record.as_dict() for record in list(table("drafters").values()) if record.target is not None]
