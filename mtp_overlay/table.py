@@ -44,7 +44,6 @@ FIXES = (
         "vllm.v1.worker.gpu_worker",
         "vllm.v1.worker.gpu_model_runner",
         "vllm.v1.worker.gpu.model_runner",
-        "vllm.distributed.weight_transfer.base",
     )),
 )
 REQUIRES: "dict[str, tuple[str, ...]]" = {}

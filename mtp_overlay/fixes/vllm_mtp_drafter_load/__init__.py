@@ -84,6 +84,7 @@ RELOADS = ("reload_layerwise", "reload", "reload_inplace")
 WORKER = {"start_weight_update": freshness.on_target_session_start, "finish_weight_update": freshness.on_session_finish}
 RUNNER = {"reload_weights": freshness.on_reload_weights, "execute_model": freshness.on_execute_model}
 RUNNERS = ("runner_v1", "runner_v2")
+ENGINE_BASE = "vllm.distributed.weight_transfer.base"  # WeightTransferEngine.supports_draft_weight_update
 
 
 class drafter_refit:
@@ -147,10 +148,8 @@ class VllmMtpDrafterLoadFix(Fix):
             return self._probe_reload(module)
         if role == "worker":
             return self._probe_worker(module)
-        if role in RUNNERS:
-            return self._probe_methods(module, "GPUModelRunner", RUNNER, "a target refit that skips the drafter is counted "
-                                       "here (reload_weights) and reported at the next step (execute_model)")
-        return self._probe_engine(module)
+        return self._probe_methods(module, "GPUModelRunner", RUNNER, "a target refit that skips the drafter is counted "
+                                   "here (reload_weights) and reported at the next step (execute_model)")
 
     def _probe_drafter(self, module: "ModuleType", name: str) -> Verdict:
         owner = defined_in(module, [name])
@@ -199,20 +198,15 @@ class VllmMtpDrafterLoadFix(Fix):
                           "only the drafter's own load_weights does")
         import importlib
 
-        base = importlib.import_module(self.target("transfer_engine"))
+        try:  # what the Worker itself imports: the engines' base, which says whether an engine can
+            base = importlib.import_module(ENGINE_BASE)
+        except ModuleNotFoundError:
+            return drifted(f"Worker.start_draft_weight_update exists but {ENGINE_BASE} does not")
         if not hasattr(getattr(base, "WeightTransferEngine", None), "supports_draft_weight_update"):
             return drifted("Worker.start_draft_weight_update exists but WeightTransferEngine declares no "
                            "supports_draft_weight_update")
         return needed("a target session leaves the MTP drafter as it was (Worker.start_draft_weight_update "
-                      "refreshes it, vLLM PR #46725)")
-
-    def _probe_engine(self, module: "ModuleType") -> Verdict:
-        engine = defined_in(module, ["WeightTransferEngine"])
-        if engine is None:
-            return drifted(f"{module.__name__} has no WeightTransferEngine")
-        if "supports_draft_weight_update" in vars(engine):
-            return needed("engines say whether they can update the drafter (supports_draft_weight_update)")
-        return needed("no engine updates the drafter in this release (no supports_draft_weight_update)")
+                      "refreshes it, vLLM PR #46725; engines say if they can: supports_draft_weight_update)")
 
     def wrappers(self, module: "ModuleType") -> "Iterator[tuple[object, str, Callable[..., Any]]]":
         role = self.role_of(module)

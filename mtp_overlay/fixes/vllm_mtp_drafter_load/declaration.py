@@ -19,12 +19,11 @@ DECLARATION = Declaration(
         "reload_layerwise": "vllm.model_executor.model_loader.reload.layerwise",
         "reload": "vllm.model_executor.model_loader.reload",
         "reload_inplace": "vllm.model_executor.model_loader.reload.inplace",
-        # drafter freshness: target sessions (Worker), reload_weights and the step (both model runners),
-        # and whether an engine can update the drafter (the engine base's supports_draft_weight_update)
+        # drafter freshness: target sessions (the Worker; its probe also reads whether the engine base
+        # declares supports_draft_weight_update), reload_weights and the step (both model runners)
         "worker": "vllm.v1.worker.gpu_worker",
         "runner_v1": "vllm.v1.worker.gpu_model_runner",
         "runner_v2": "vllm.v1.worker.gpu.model_runner",
-        "transfer_engine": "vllm.distributed.weight_transfer.base",
     },
     families={"0.25": ">=0.25.1,<0.26", "0.33": ">=0.33.0,<0.34"},
     provenance=Provenance(

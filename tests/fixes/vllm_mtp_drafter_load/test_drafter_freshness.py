@@ -252,7 +252,7 @@ def test_probe_of_the_worker_the_runners_and_the_engine_base(bed, monkeypatch):
     from vllm.v1.worker import gpu_model_runner, gpu_worker
     from vllm.v1.worker.gpu import model_runner
 
-    for module in (gpu_worker, gpu_model_runner, model_runner, base):
+    for module in (gpu_worker, gpu_model_runner, model_runner):
         assert FIX.probe(module).state == "needed", module.__name__
     assert "start_draft_weight_update refreshes it" in FIX.probe(gpu_worker).reason
     assert {(gpu_worker.Worker, "start_weight_update"), (gpu_worker.Worker, "finish_weight_update"),
@@ -261,7 +261,6 @@ def test_probe_of_the_worker_the_runners_and_the_engine_base(bed, monkeypatch):
     monkeypatch.delattr(base.WeightTransferEngine, "supports_draft_weight_update")
     verdict = FIX.probe(gpu_worker)
     assert verdict.state == "drifted" and "declares no supports_draft_weight_update" in verdict.reason
-    assert "no engine updates the drafter" in FIX.probe(base).reason
 
 
 PROBES = {
@@ -292,7 +291,6 @@ warnings.simplefilter("ignore")
 import vllm, mtp_overlay
 from mtp_overlay.fixes.vllm_mtp_drafter_load import FIX, refits_behind
 from mtp_overlay.testing.vllm_worker import RUNNERS, run_step, worker_environment
-from vllm.distributed.weight_transfer import base
 from vllm.v1.worker import gpu_worker
 
 mtp_overlay.install(only=["vllm-mtp-drafter-load"])
@@ -301,7 +299,7 @@ SEQUENCES = {"stale": ("load_weights mtp.*", "target", "target", "execute"),
              "refreshed": ("load_weights mtp.*", "target", "load_weights mtp.*", "execute"),
              "reload": ("load_weights mtp.*", "reload", "execute")}
 with worker_environment() as bed:
-    out["probes"] = {module.__name__: [FIX.probe(module).state, FIX.probe(module).reason] for module in (gpu_worker, base)}
+    out["probes"] = {module.__name__: [FIX.probe(module).state, FIX.probe(module).reason] for module in (gpu_worker,)}
     for runner in RUNNERS:
         for case, actions in SEQUENCES.items():
             worker = bed.worker(runner)
@@ -324,8 +322,8 @@ def vllm_0_25_1():
 def test_vllm_0_25_1_says_no_drafter_load_came_since_the_target_refit(vllm_0_25_1, runner):
     out = vllm_0_25_1
     assert out["version"] == "0.25.1"
-    worker_probe, base_probe = out["probes"]["vllm.v1.worker.gpu_worker"], out["probes"]["vllm.distributed.weight_transfer.base"]
-    assert worker_probe[0] == base_probe[0] == "needed" and "no draft sessions" in worker_probe[1]
+    worker_probe = out["probes"]["vllm.v1.worker.gpu_worker"]
+    assert worker_probe[0] == "needed" and "no draft sessions" in worker_probe[1]
     stale, refreshed, reload = (out[f"{runner} {case}"] for case in ("stale", "refreshed", "reload"))
     assert [len(said) for said in stale["said"]] == [0, 0, 1, 0] and stale["behind"] == 2
     message = stale["said"][2][0]
