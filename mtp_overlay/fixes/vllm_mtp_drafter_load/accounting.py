@@ -175,7 +175,11 @@ class RefitReport:
         loaded = refit.loaded if loaded is None else loaded
         self.missing = [] if number is None else sorted(name for name in shape.layer_of if name not in loaded)
         loaded_layers = {shape.layer_of[name] for name in loaded if name in shape.layer_of}
-        self.dropped = [name for name, layer, skipped in refit.mtp_names if skipped or layer not in loaded_layers]
+        # "nothing of its layer loaded" needs the whole refit where the drafter has a rule of its own: one
+        # chunk may carry only a name it maps outside the layer (DeepSeek's per-layer embed_tokens)
+        by_layer = number is not None or shape.skips is None
+        self.dropped = [name for name, layer, skipped in refit.mtp_names
+                        if skipped or (by_layer and layer not in loaded_layers)]
         self.mis_shaped = list(refit.mis_shaped)
 
     @property

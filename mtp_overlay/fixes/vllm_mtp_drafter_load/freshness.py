@@ -294,7 +294,7 @@ def record_of(subject):
             record = None
     if record is not None:
         return record
-    runner = vars(subject).get("model_runner") if hasattr(subject, "__dict__") else None
+    runner = getattr(subject, "model_runner", None)  # a Worker, or vLLM's wrapper forwarding to it
     if runner is not None:
         return of_runner(runner)
     return of_runner(subject) if callable(getattr(subject, "get_model", None)) else None

@@ -242,6 +242,17 @@ def test_one_name_twice_in_one_call_is_one_refit_not_a_false_alarm(drafters, ove
     assert said == [] and last_refit_report(model).ok and last_refit_report(model).names == len(repeated)
 
 
+def test_a_chunk_with_only_a_name_mapped_outside_the_layer_is_no_false_alarm(drafters, overlay):
+    """DeepSeek checkpoints carry an MTP layer's own embed_tokens, which DeepSeekMTP loads into the
+    shared embedding: a chunk holding only it loads nothing of the layer, and is no dropped name."""
+    model = drafters["deepseek"]
+    embed = ("model.layers.2.embed_tokens.weight", torch.randn(*model.model.embed_tokens.weight.shape))
+    overlay(True, strict=True)
+    with overlay_warnings() as said, loading(model):
+        loaded = model.load_weights(iter([embed]))
+    assert "model.embed_tokens.weight" in loaded and said == [] and last_call_report(model).ok
+
+
 OVERSIZED = {"nemotron_h": ("mtp.layers.0.mixer.q_proj.weight", "model.layers.0.mixer.qkv_proj.weight", 0),
              "deepseek": ("model.layers.2.mlp.gate_proj.weight", "model.layers.2.mtp_block.mlp.gate_up_proj.weight", 0)}
 
