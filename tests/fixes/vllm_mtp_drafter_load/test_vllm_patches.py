@@ -115,6 +115,16 @@ with drafter_environment():
             model.load_weights([pair])
         layerwise.finalize_layerwise_reload(model, model.vllm_config_for_tests.model_config)
         out[case] = {"changed": changed(model, before), "said": said[start:]}
+    # outside any refit boundary: each call judged at its end; one name twice in a call; a long tensor
+    native = refit_stream(model, "mtp.*", seed=10, with_target_names=False)
+    long = list(native)
+    index = [name for name, _ in long].index("mtp.layers.0.mixer.q_proj.weight")
+    long[index] = (long[index][0], torch.cat([long[index][1], torch.zeros(8, long[index][1].shape[1])]))
+    positional = refit_stream(model, "positional", seed=11, with_target_names=False)
+    for case, stream in (("repeated", native + [native[0]]), ("positional call", positional), ("long", long)):
+        start = len(said)
+        model.load_weights(iter(stream))
+        out[case] = said[start:]
     os.environ["MTP_OVERLAY_STRICT"] = "1"
     try:
         with drafter_refit(model):
@@ -220,6 +230,11 @@ def test_patched_vllm_reports_a_stale_drafter_by_itself_and_the_hooks_stand_down
     assert "7 of 7 MTP parameters never loaded: model.layers.0.eh_proj.weight" in message
     assert "9 MTP checkpoint names dropped unrecognised: model.layers.2.mixer.q_proj.weight" in message
     assert out["strict"] is not None and "7 of 7 MTP parameters never loaded" in out["strict"]
+    assert out["repeated"] == []  # one name twice in one call: no new refit, no false alarm
+    [call] = out["positional call"]  # judged at the end of the call, not one refit later
+    assert "one load_weights call outside any refit boundary (9 names): 9 MTP checkpoint names dropped" in call
+    [long] = out["long"]
+    assert "mtp.layers.0.mixer.q_proj.weight [40, 32] for [32, 32]" in long and "narrows" in long
 
 
 @pytest.mark.slow
