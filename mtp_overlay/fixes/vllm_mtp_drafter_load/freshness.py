@@ -302,10 +302,16 @@ def record_of(subject):
 
 def refits_behind(subject):
     """How many target refits the drafter of ``subject`` (a vLLM Worker, model runner, target model or
-    drafter) is behind: 0 when fresh, None when the fix knows no drafter and target pair for it. Callable as
+    drafter) is behind: 0 when fresh, None when the fix knows no drafter and target pair for it (on a
+    vLLM patched on disk, its ``MTPDrafterRefits`` answers). Callable as
     ``llm.collective_rpc(refits_behind)`` (vLLM hands each worker in)."""
     record = record_of(subject)
-    return None if record is None or record.target is None else record.behind
+    if record is None:  # a vLLM carrying the source patch counts by itself (the hooks stood down)
+        import sys
+
+        patched = getattr(sys.modules.get("vllm.model_executor.models.utils"), "MTPDrafterRefits", None)
+        return patched.refits_behind(subject) if hasattr(patched, "refits_behind") else None
+    return None if record.target is None else record.behind
 
 
 def staleness():

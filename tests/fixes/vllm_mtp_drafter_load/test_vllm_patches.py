@@ -161,6 +161,7 @@ FRESHNESS = """
 import json, logging, os, warnings
 warnings.simplefilter("ignore")
 import mtp_overlay
+from mtp_overlay.fixes.vllm_mtp_drafter_load import refits_behind
 from mtp_overlay.testing.vllm_worker import RUNNERS, run_step, session, worker_environment
 from vllm.model_executor.models import utils
 
@@ -179,7 +180,7 @@ with worker_environment() as bed:
                 start = len(said)
                 step = run_step(bed, worker, action)
                 logged.append(said[start:] + step.said)  # vLLM's log, and any OverlayWarning (none: stood down)
-            out[f"{runner} {case}"] = {"said": logged, "behind": utils.MTPDrafterRefits.refits_behind(worker)}
+            out[f"{runner} {case}"] = {"said": logged, "behind": refits_behind(worker)}  # vLLM's count
     os.environ["MTP_OVERLAY_STRICT"] = "1"
     worker = bed.worker("v2")
     for action in ("load_weights mtp.*", "reload"):
