@@ -55,6 +55,9 @@ FIXES = (
         "vllm.model_executor.model_loader.reload.layerwise",
         "vllm.model_executor.model_loader.reload",
         "vllm.model_executor.model_loader.reload.inplace",
+        "vllm.v1.worker.gpu_worker",
+        "vllm.v1.worker.gpu_model_runner",
+        "vllm.v1.worker.gpu.model_runner",
     )),
 )
 REQUIRES: "dict[str, tuple[str, ...]]" = {
