@@ -1,9 +1,11 @@
 """`mtp-overlay`: a thin command-line face over the package's API.
 
-Exit codes: 0 done, 1 the command ran and found a problem it was asked to fail on, 2 usage.
+Exit codes: 0 done, 1 the command ran and found a problem it was asked to fail on, 2 usage. A
+reader that leaves early (``| head``, ``| true``) changes none of them.
 """
 
 import argparse
+import contextlib
 import json
 import sys
 
@@ -12,12 +14,13 @@ from .patching import command as patch_command
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Iterator
+    from typing import TextIO
 
     from .contract import FixStatus
 
 STATUS_COLUMNS = ["name", "distribution", "version", "state", "patched", "reason"]
-CHECK_COLUMNS = ["name", "distribution", "version", "verdict", "reason"]
+CHECK_COLUMNS = ["name", "distribution", "version", "verdict", "patched", "reason"]
 
 
 def print_table(rows: "list[dict[str, object]]", columns: "list[str]") -> None:
@@ -42,18 +45,53 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _check(args: argparse.Namespace) -> int:
+    """The probe's verdict per fix. Each row's ``state`` and ``patched`` are those `status` reports
+    in this process before check takes the hooks off to probe the stock code (its own uninstall
+    would otherwise make every row say "disabled"), ``patched`` read from disk."""
     from .contract import State
+    from .patching.survey import patched_on_disk
 
+    before = {row.name: row for row in registry.status(args.only, patched=patched_on_disk)}
     registry.uninstall(args.only)  # probe the stock code: no hook fires (or raises) while targets import
     stock_run: "Callable[[str], tuple[bool, str]] | None" = None
+    imports: "contextlib.AbstractContextManager[None]" = contextlib.nullcontext()
     if args.run_stock:
         from .testing import reproducers  # the test bed, reached only from `check --run`
+        from .testing.bridge import import_stand_ins
 
         stock_run = reproducers.stock_run
-    rows = registry.check(args.only, stock_run=stock_run)
-    _rows(rows, args, CHECK_COLUMNS + (["run"] if args.run_stock else []))
+        # the targets import as the stock runs do: where an optional package of Bridge's is missing
+        # (Transformer Engine, ModelOpt... on a CPU machine), through the test bed's scoped stand-ins
+        imports = import_stand_ins()
+    with imports, _stdout_to_stderr():
+        rows = registry.check(args.only, stock_run=stock_run)
+    for row in rows:
+        row.state, row.patched = before[row.name].state, before[row.name].patched
     failing = set(State.FAILING) | ({State.REDUNDANT} if args.fail_on_redundant else set())
-    return 1 if any(row.verdict in failing for row in rows) else 0
+    code = 1 if any(row.verdict in failing for row in rows) else 0
+    _rows(rows, args, CHECK_COLUMNS + (["run"] if args.run_stock else []))
+    return code
+
+
+@contextlib.contextmanager
+def _stdout_to_stderr() -> "Iterator[None]":
+    """While the block runs, whatever this process and the processes it starts print goes to stderr,
+    so that stdout is the report alone (``--json``: parseable): the targets' imports print
+    (megatron-core 0.19's ``megatron/training/training.py``, which Bridge imports, logs INFO to
+    stdout), and so do the test bed's ranks under ``--run``. Python objects made meanwhile keep
+    stderr (a log handler)."""
+    import os
+
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -161,7 +199,8 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--only", action="append", metavar="FIX", help="this fix only (repeatable)")
     check.add_argument("--fail-on-redundant", action="store_true", help="exit 1 when a fix is already upstream")
     check.add_argument("--run", action="store_true", dest="run_stock",
-                       help="also run each fix's stock code path (test bed) and report a disagreement with the probe")
+                       help="also run each fix's stock code path (test bed) and report a disagreement with the probe; "
+                       "the targets then import as in the test bed (Bridge's missing optional packages stood in)")
     check.set_defaults(run=_check)
     demo = commands.add_parser("demo", help="the tiny GPT+MTP on 2 gloo ranks, each fix off and on")
     demo.set_defaults(run=_demo)
@@ -181,18 +220,59 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: "list[str] | None" = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        return args.run(args)
-    except BrokenPipeError:  # the reader left (`mtp-overlay status | head`): nothing more to say
+class _ReaderMayLeave:
+    """``sys.stdout`` while a command runs: a reader that leaves early (``mtp-overlay status | head``,
+    ``| true``) ends the output, not the command, whose exit code stays its own (1 only for what it
+    found). What is still buffered and every later write go to os.devnull, so the flush at exit
+    raises no second error either."""
+
+    def __init__(self, stream: "TextIO") -> None:
+        self.stream, self.left = stream, False
+
+    def write(self, text: str) -> int:
+        if not self.left:
+            try:
+                return self.stream.write(text)
+            except BrokenPipeError:
+                self._reader_left()
+        return len(text)
+
+    def flush(self) -> None:
+        if not self.left:
+            try:
+                self.stream.flush()
+            except BrokenPipeError:
+                self._reader_left()
+
+    def _reader_left(self) -> None:
         import os
 
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
-        return 1
+        self.left = True
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, self.stream.fileno())
+        os.close(devnull)
+        try:
+            self.stream.flush()  # the bytes the closed pipe refused, now into os.devnull
+        except OSError:
+            pass
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.stream, name)
+
+
+def main(argv: "list[str] | None" = None) -> int:
+    args = build_parser().parse_args(argv)
+    stdout = sys.stdout
+    sys.stdout = output = _ReaderMayLeave(stdout)  # type: ignore[assignment]
+    try:
+        code: int = args.run(args)
+        output.flush()  # inside the command: a reader gone before the last bytes is still no failure
+        return code
     except (ValueError, OSError) as exc:  # bad names, paths, permissions, configs: usage, not a crash
         print(f"mtp-overlay {args.command}: {exc}", file=sys.stderr)
         return 2
+    finally:
+        sys.stdout = stdout
 
 
 if __name__ == "__main__":

@@ -77,6 +77,19 @@ def import_bridge():
     return megatron.bridge
 
 
+@contextlib.contextmanager
+def import_stand_ins():
+    """While the block runs, Bridge's modules import on a machine without its optional packages:
+    ``import megatron.bridge`` through the scoped TE stand-in, its training step (``gpt_step``)
+    through the scoped stand-ins of its optional imports (both in `cpu_shims`). Where the packages
+    are installed it does nothing. For code that imports Bridge's modules by name, such as a fix's
+    targets (``mtp-overlay check``, the contract test)."""
+    from .cpu_shims import bridge_training_import_stand_ins, transformer_engine_import_stand_in
+
+    with transformer_engine_import_stand_in(), bridge_training_import_stand_ins():
+        yield
+
+
 def tiny_hf_config(kind, *, mtp_num_layers=None, vocab_size=128, hidden_size=64, max_position_embeddings=64):
     """A tiny Hugging Face config of ``kind`` (one of BUILDABLE) with ``mtp_num_layers`` MTP layers
     (None: the kind's, `MTP_LAYERS`)."""

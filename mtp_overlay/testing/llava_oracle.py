@@ -67,7 +67,7 @@ class CombinedLayout:
 
 def mtp_fill_id(image_token_index, vocab_size):
     """The id the MTP block embeds at image slots: the image token itself when it is a vocabulary id
-    (Nemotron Omni's; vLLM 0.33.0 feeds a drafter without multimodal-embedding support, such as
+    (Nemotron Omni's; vLLM 0.33 feeds a drafter without multimodal-embedding support, such as
     NemotronHMTP, the prompt's ids, placeholders included: ``v1/spec_decode/llm_base_proposer.py:1345-1352``),
     else 0, the id LLaVAModel embeds at placeholders for its own text embeddings (``llava_model.py:1224``).
     Never trained either way: image slots have mask 0."""

@@ -1,6 +1,6 @@
 """A tiny stock-megatron-core LLaVAModel with an MTP HybridModel, its batches, and the combined-ids reference.
 
-Megatron-Bridge 0.6.2 builds Nemotron VL / Omni as megatron-core's ``LLaVAModel``
+Megatron-Bridge 0.6 builds Nemotron VL / Omni as megatron-core's ``LLaVAModel``
 (``models/multimodal/llava_model.py``; ``nemotron_omni_provider.py:333``): a language config with
 ``language_model_type="nemotron5-hybrid..."`` makes the language model a ``HybridModel``
 (``llava_model.py:236-254``, ``scatter_embedding_sequence_parallel=False``) whose MTP layers the
@@ -169,7 +169,7 @@ OMNI_SOUND_TOKEN_INDEX = 126  # an id make_llava_batch's text may hold: callers 
 
 def build_bridge_omni(*, seed=1234, hybrid_layer_pattern="*-*-", mtp_hybrid_override_pattern="*-",
                       sound_context_token_id=OMNI_SOUND_TOKEN_INDEX):
-    """Megatron-Bridge 0.6.2's ``NemotronOmniModelProvider.provide()``, tiny, on this rank:
+    """Megatron-Bridge 0.6's ``NemotronOmniModelProvider.provide()``, tiny, on this rank:
     ``NemotronOmniModel`` around megatron-core's ``LLaVAModel`` (RADIO ViT, HybridModel with MTP).
 
     What it takes on a CPU (TP1; the provider is made directly, not from a Hugging Face config):

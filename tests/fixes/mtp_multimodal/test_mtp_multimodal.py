@@ -456,7 +456,7 @@ def test_mimo_stock_crashes_the_fix_trains_the_text_targets_and_equals_the_direc
 
 
 def omni_case():
-    """Rank worker (TP1): Megatron-Bridge 0.6.2's Nemotron Omni provider's model (NemotronOmniModel around
+    """Rank worker (TP1): Megatron-Bridge 0.6's Nemotron Omni provider's model (NemotronOmniModel around
     LLaVAModel, RADIO ViT, HybridModel with MTP), a text-only batch with labels: stock, then with the fix."""
     from mtp_overlay.testing import tiny_llava
 
@@ -667,7 +667,7 @@ def test_where_mtp_loss_mask_drifted_a_multimodal_mtp_forward_refuses_naming_it(
 
 
 def test_megatron_core_0_18_is_drift_its_mtp_cannot_roll_llavas_position_ids(tmp_path):
-    """0.18.2 has 0.19.2's LLaVAModel, but its MTP ``roll_tensor`` refuses the ``position_ids=None``
+    """0.18.2 has 0.19's LLaVAModel, but its MTP ``roll_tensor`` refuses the ``position_ids=None``
     LLaVAModel passes (the stock crash there is in that roll): ids alone would not make MTP run."""
     row = _report(_edited_copy(tmp_path, version="0.18.2"))
     assert row["version"] == "0.18.2" and row["state"] == "drifted" and "roll_tensor" in row["reason"], row["reason"]
