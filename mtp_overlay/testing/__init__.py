@@ -52,7 +52,8 @@ Usage (``fn`` must be a module-level function, its arguments and return value pi
   ``make_llava_batch(image_positions)``, ``CombinedIdsReference`` (the language model run directly on
   the hand-built combined ids and mask: the reference an MTP fix for LLaVAModel must equal),
   ``language_model_call`` (the language model called as LLaVAModel calls it), ``build_tiny_mimo``,
-  ``build_bridge_omni`` (Bridge 0.6's Nemotron Omni provider, text-only on CPU).
+  ``build_bridge_omni`` (Bridge 0.6's Nemotron Omni provider, text-only on CPU), ``build_bridge_vl``
+  (a Bridge Nemotron VL / Omni provider's own model with images: a CLIP ViT for RADIO, what changed listed).
 * ``llava_oracle``: the combined (text + image) layout from first principles, no megatron-core:
   ``combine`` (ids, labels, loss mask, image rows), ``mtp_pairs(layout, depth)`` (what MTP trains),
   ``image_targets`` (pairs that target an image slot), ``shard`` (CP/SP slicing as LLaVAModel's).

@@ -221,8 +221,14 @@ def family(provider):
     )
 
 
+# the language model types for which LLaVAModel builds a HybridModel (llava_model.py:223-226; for any
+# other type a GPTModel, :244)
+HYBRID_LANGUAGE_MODELS = ("nemotron5-hybrid", "nemotron6-moe")
+
+
 def check_buildable(provider):
-    """PlanError naming what the test bed has no CPU stand-in for in this provider's model."""
+    """PlanError naming what the test bed has no CPU stand-in for in this provider's model (or, for a
+    VL / Omni provider, a language model type LLaVAModel builds no HybridModel for)."""
     from .tiny_hybrid import SYMBOLS, UNSUPPORTED
 
     missing = []
@@ -240,6 +246,12 @@ def check_buildable(provider):
         missing.append(f"attention variant {provider.experimental_attention_variant!r}")
     if missing:
         raise PlanError("no CPU stand-in in the test bed for: " + "; ".join(missing))
+    kind = getattr(provider, "language_model_type", "") or ""
+    if is_multimodal(provider) and not kind.startswith(HYBRID_LANGUAGE_MODELS):
+        raise PlanError(f"{type(provider).__name__}.language_model_type is {kind!r}: LLaVAModel then builds a "
+                        f"GPTModel from the provider's hybrid stack spec (llava_model.py:223-244); a Nemotron VL / "
+                        f"Omni language model needs a type starting with {' or '.join(HYBRID_LANGUAGE_MODELS)} "
+                        "(Bridge's HF import sets it)")
 
 
 def build(plan, sequence_parallel):
@@ -280,10 +292,6 @@ def build(plan, sequence_parallel):
     return one(False) if pipeline.size() == 1 else pipeline.build_stage(one, dict(staged=False), dict(staged=True))
 
 
-# the language model types for which LLaVAModel builds a HybridModel (llava_model.py:227-229)
-HYBRID_LANGUAGE_MODELS = ("nemotron5-hybrid", "nemotron6-moe")
-
-
 def build_multimodal(plan, sequence_parallel):
     """This rank's Nemotron VL / Omni model of a multimodal plan (`tiny_llava.build_bridge_vl`: Bridge's
     own provider and ``provide()``, a CLIP ViT for RADIO) and what verify changed to build it:
@@ -300,12 +308,6 @@ def build_multimodal(plan, sequence_parallel):
     check_buildable(provider)
     if pipeline.size() > 1:
         raise PlanError("--pp: the test bed runs a multimodal model without pipeline stages")
-    kind = getattr(provider, "language_model_type", "") or ""
-    if not kind.startswith(HYBRID_LANGUAGE_MODELS):
-        raise PlanError(f"{type(provider).__name__}.language_model_type is {kind!r}: LLaVAModel then builds a GPTModel "
-                        f"from the provider's hybrid stack spec (llava_model.py:227-233); a Nemotron VL / Omni language "
-                        f"model needs a type starting with {' or '.join(HYBRID_LANGUAGE_MODELS)} (Bridge's HF import "
-                        "sets it)")
     recipe = dict(plan.get("recipe") or {}, calculate_per_token_loss=LOSSES[plan["loss"]][1])
     with _own_attention_backend():
         model, substituted = build_bridge_vl(provider, seed=plan["seed"], sequence_parallel=sequence_parallel,

@@ -93,8 +93,9 @@ def verify(
     "thd-real-lengths": real lengths in ``cu_seqlens_q``, the self-slicing path; None: "thd-padded",
     "none" for a VL / Omni model, whose steps are BSHD). loss: one of LOSSES ("per-token":
     ``calculate_per_token_loss``). forward: "rl" (no labels) or "sft" (None: "rl", "sft" for a VL / Omni
-    model, whose steps need labels). mtp_mask: one of MASKS. mtp_num_layers, repeated_layer, scatter_embedding: overrides of the config's MTP depth, repeated
-    MTP layer and ``scatter_embedding_sequence_parallel``. layers: "auto", "all" or "runs" (`shrink`).
+    model, whose steps need labels). mtp_mask: one of MASKS. mtp_num_layers, repeated_layer,
+    scatter_embedding: overrides of the config's MTP depth, repeated MTP layer and
+    ``scatter_embedding_sequence_parallel``. layers: "auto", "all" or "runs" (`shrink`).
     data: a JSONL sample of ``{"tokens": N, "prompt": P}`` lines (``"images": [...]`` too for a VL /
     Omni model: `data`). pad_multiple: the packer's
     per-sequence padding (default NeMo-RL's: 2·CP·TP under CP, TP under SP). tolerance: the largest

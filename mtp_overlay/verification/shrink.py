@@ -36,8 +36,6 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
-    from .vision import Multimodal
-
 KEYSPACES = ("hf", "provider")
 LAYER_MODES = ("auto", "all", "runs")
 ALL_UP_TO = 16  # "auto": patterns this long are kept whole
@@ -104,6 +102,30 @@ class Change:
     original: object
     value: object
     why: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Multimodal:
+    """What a multimodal config adds to its `Shrunk`.
+
+    image_token: the image token id in the shrunk config (None: the config names none; Bridge's provider
+    has its own default); reserved: ids the sample's text must not hold (the image and sound tokens);
+    provider: provider fields the engine sets after Bridge's import, where the provider has them (the
+    sound token: the config's, else (or where it is 0, the batches' padding id and the providers'
+    default) `vision.SOUND_ID`; Bridge maps it only with a sound encoder,
+    ``nemotron_omni_bridge.py:109-116``, and LLaVAModel takes every token equal to it for a sound slot,
+    ``llava_model.py:657-672``); not_run: what the run leaves out, in words; vision: the tower built
+    (`vision.VISION`)."""
+
+    image_token: int | None
+    reserved: tuple[int, ...]
+    provider: dict[str, object]
+    not_run: tuple[str, ...]
+    vision: dict[str, object]
+
+    def as_dict(self) -> dict[str, object]:
+        return dict(image_token=self.image_token, reserved=list(self.reserved), provider=dict(self.provider),
+                    not_run=list(self.not_run), vision=dict(self.vision))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 
 from .layout import Layout
-from .shrink import FFN, VOCAB, Change, Shrunk, shrink
+from .shrink import FFN, VOCAB, Change, Multimodal, Shrunk, shrink
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -44,30 +44,6 @@ SCATTER = "False (LLaVAModel builds its language model so whatever the provider 
 SOUND_ID = VOCAB - 2  # the sound token when the config names none (or 0): an id no text token is drawn from
 PADDING = 0  # the batches' padding id (data.draw never draws it)
 IMAGE_ID = VOCAB - 1  # where an in-vocabulary image token the shrink would cut off goes
-
-
-@dataclasses.dataclass(frozen=True)
-class Multimodal:
-    """What a multimodal config adds to its `Shrunk`.
-
-    image_token: the image token id in the shrunk config (None: the config names none; Bridge's provider
-    has its own default); reserved: ids the sample's text must not hold (the image and sound tokens);
-    provider: provider fields the engine sets after Bridge's import, where the provider has them (the
-    sound token: the config's, else (or where it is 0, the batches' padding id and the providers'
-    default) `SOUND_ID`; Bridge maps it only with a sound encoder,
-    ``nemotron_omni_bridge.py:109-116``, and LLaVAModel takes every token equal to it for a sound slot,
-    ``llava_model.py:657-672``); not_run: what the run leaves out, in words; vision: the tower built
-    (`VISION`)."""
-
-    image_token: int | None
-    reserved: tuple[int, ...]
-    provider: dict[str, object]
-    not_run: tuple[str, ...]
-    vision: dict[str, object]
-
-    def as_dict(self) -> dict[str, object]:
-        return dict(image_token=self.image_token, reserved=list(self.reserved), provider=dict(self.provider),
-                    not_run=list(self.not_run), vision=dict(self.vision))
 
 
 def is_multimodal(values: Mapping[str, object]) -> bool:
@@ -163,7 +139,8 @@ def _vision_side(given: Mapping[str, object], values: dict[str, object], changes
         not_run.append("video: the temporal video embedder (RADIO's) is not built; the batches hold images only")
     side = "Bridge's default" if image is None else "a vocabulary id" if 0 <= image < language.vocab else \
         "outside the vocabulary"
-    kept = [(what, SCATTER if what == "scatter_embedding_sequence_parallel" else value) for what, value in language.kept]
+    kept = [(what, SCATTER if what == "scatter_embedding_sequence_parallel" else value)
+            for what, value in language.kept]
     kept.append(("image token", side))
     reserved = tuple(sorted({sound} | ({image} if image is not None else set())))
     multimodal = Multimodal(image_token=image, reserved=reserved, provider=dict(sound_context_token_id=sound),

@@ -73,7 +73,8 @@ def test_pairs_at_image_slots_are_llava_oracles(sequences, depth, drawn):
     layout = llava_oracle.combine(batch["input_ids"], image_token_index=IMAGE_TOKEN, tokens_per_image=TOKENS_PER_IMAGE,
                                   labels=batch["labels"], loss_mask=batch["loss_mask"], fill_id=IMAGE_TOKEN)
     real = [(row, slot) for row, length in enumerate(layout.lengths) for slot in range(max(length - depth - 1, 0))]
-    trained = {(row, slot, 1) for row, slot in drawn.draw(st.sets(st.sampled_from(real), max_size=12))} if real else set()
+    picked = drawn.draw(st.sets(st.sampled_from(real), max_size=12)) if real else set()
+    trained = {(row, slot, 1) for row, slot in picked}
     assert set(oracle.image_slot_targets(sequences, trained, depth, TOKENS_PER_IMAGE)) == \
         llava_oracle.image_targets(layout, trained, depth)
 

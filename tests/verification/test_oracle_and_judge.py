@@ -3,6 +3,7 @@ answers built here (no ranks; ~3 s): a defect the numbers share with the referen
 the positions, a fix is needed exactly when the overlay without it differs, and a difference the
 overlay leaves is shown on the smallest layout of the search that has it."""
 
+import dataclasses
 import json
 
 import pytest
@@ -176,3 +177,19 @@ def test_a_refused_ablation_is_completed_by_the_case_without_the_fix_that_refuse
     (need,) = found.needs
     assert need.fix == "fix-a" and need.deeper is not None
     assert need.why.startswith("refused: ValueError") and "without fix-b too: depth 1: 22 wrong" in need.why
+
+
+def test_a_needed_fix_that_another_requires_names_it():
+    """A fix another one requires (``Declaration.requires``) leaves that one out too: its row says so,
+    in the text and the JSON. The link is read from the declarations (mtp-multimodal requires mtp-loss-mask)."""
+    from mtp_overlay import verification
+
+    links = verification.required_by(["mtp-loss-mask", "mtp-multimodal"])
+    assert links == {"mtp-loss-mask": ("mtp-multimodal",), "mtp-multimodal": ()}
+    cases = judged([answer("overlay", "CP2", FIXES), answer("overlay without fix-a", "CP2", ["fix-b"], shift=1),
+                    answer("overlay without fix-b", "CP2", ["fix-a"], shift=1)], answer("reference", "reference", []))
+    found = report.needs(cases[0], cases[1:], required_by={"fix-a": ("fix-b",), "fix-b": ()})
+    assert [(need.fix, need.required_by) for need in found] == [("fix-a", ("fix-b",)), ("fix-b", ())]
+    made = dataclasses.replace(make_report(), needs=found)
+    assert "(fix-b requires it: without it that fix is not installed either)" in made.text()
+    assert [need["required_by"] for need in made.as_dict()["needs"]] == [["fix-b"], []]

@@ -166,7 +166,8 @@ def test_pipeline_stages_through_megatrons_pipelined_schedule(tmp_path):
 
 
 OMNI = Path(__file__).parent / "configs" / "nemotron_omni_like"
-# what the CLIP stand-in changes of the LLaVAModel arguments Bridge's Omni provider passes (cpu_shims.bridge_vl_clip_vision)
+# what the CLIP stand-in changes of the LLaVAModel arguments Bridge's Omni provider passes
+# (cpu_shims.bridge_vl_clip_vision)
 CLIP_SUBSTITUTIONS = {"vision.vision_model_type", "vision.num_layers", "vision.num_attention_heads",
                       "vision.num_query_groups", "vision.kv_channels", "vision.hidden_size", "vision.ffn_hidden_size",
                       "img_h", "img_w", "pixel_shuffle", "dynamic_resolution"}
@@ -199,7 +200,8 @@ def test_a_nemotron_omni_config_verifies_with_images_at_tp2_sp_and_an_omni_provi
     microbatches; stock crashes; the overlay trains exactly the oracle's combined-slot pairs, none at an
     image slot, with the MTP loss and gradients of the language model run on the hand-built combined ids;
     mtp-multimodal and mtp-sp-scatter are needed with the rows that show why. A Bridge Omni provider in
-    a Python file at CP2 verifies too and needs mtp-cp-loss-scale instead of mtp-sp-scatter."""
+    a Python file at CP2 verifies too and needs mtp-cp-loss-scale instead of mtp-sp-scatter; one that leaves
+    ``language_model_type`` at its default is refused before any step, naming the field."""
     report = verification.verify(OMNI, tp=2, sp=True, engine=engine())
     assert report.ok and report.exit_code == 0 and report.packing == "none", report.text()
     built = report.built
@@ -232,3 +234,7 @@ def test_a_nemotron_omni_config_verifies_with_images_at_tp2_sp_and_an_omni_provi
     judged_positions_hold(report.overlay)
     assert report.stock.error.startswith("TypeError: embedding(): argument 'indices'")
     assert {need.fix for need in report.needs} == {"mtp-multimodal", "mtp-cp-loss-scale", "mtp-loss-mask"}
+
+    recipe.write_text(OMNI_PROVIDER.replace('language_model_type="nemotron6-moe", ', ""))
+    with pytest.raises(ValueError, match=r"NemotronOmniModelProvider.language_model_type is '': LLaVAModel"):
+        verification.verify(provider=f"{recipe}:provider", cp=2, engine=engine(), search=False)
