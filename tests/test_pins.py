@@ -2,6 +2,7 @@
 test-bed module spells a pinned version of the stack itself."""
 
 import re
+import sysconfig
 from importlib import metadata
 from pathlib import Path
 
@@ -19,8 +20,11 @@ SEARCHED = ("tests", "mtp_overlay/testing", "mtp_overlay/upstream_tests")
 
 def test_the_venv_holds_what_the_constraints_pin():
     """Every pinned distribution that is installed has its pinned version (a venv built by scripts/setup.sh
-    from the file); the stack the tests name is installed."""
-    installed = {pins.normalized(dist.metadata["Name"]): dist.version for dist in metadata.distributions()}
+    from the file); the stack the tests name is installed. Only the venv's own site-packages is read: a
+    package's vendored copies (setuptools/_vendor holds packaging's dist-info) join sys.path once that
+    package is imported, and are not what the venv installed."""
+    site = [sysconfig.get_paths()["purelib"]]
+    installed = {pins.normalized(dist.metadata["Name"]): dist.version for dist in metadata.distributions(path=site)}
     assert {name: installed.get(name) for name in STACK} == STACK
     wrong = {name: (version, installed[name]) for name, version in pins.PINS.items()
              if name in installed and installed[name] != version}

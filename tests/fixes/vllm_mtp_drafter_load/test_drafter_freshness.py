@@ -1,6 +1,6 @@
 """vllm-mtp-drafter-load's freshness half on vLLM's own Worker sessions, model runners and engines (CPU).
 
-The test bed (`mtp_overlay.testing.vllm_worker`) runs vLLM 0.33.0's real ``Worker.start_weight_update /
+The test bed (`mtp_overlay.testing.vllm_worker`) runs the pinned vLLM's real ``Worker.start_weight_update /
 start_draft_weight_update / update_weights / finish_weight_update``, both model runners'
 ``reload_weights`` and ``execute_model`` (stopped at its first statement), the engine
 ``WeightTransferEngineFactory`` makes, and the tiny NemotronH target with vLLM's real NemotronHMTP
