@@ -92,15 +92,17 @@ def loss_mask_scope(loss_mask: torch.Tensor | None, *, aligned: str | None = Non
     ``"label"`` (``mask[i]`` weighs label i = token i + 1, e.g. the LM loss's ``token_mask[:, 1:]``
     padded back: with ``labels`` megatron-core takes it as is; in an RL forward the hook shifts it
     into the input-aligned mask, at CP=1 (under CP convert the full rows first: `input_aligned_mask`));
-    None: not said (the hook then refuses a mask that looks label-aligned in an RL forward,
-    `label_aligned_signature`; say ``"input"`` for one that only looks so). TypeError unless
-    ``loss_mask`` is a torch.Tensor or None; ValueError for another ``aligned``.
+    None: not said here (an enclosing scope's word holds; said nowhere, the hook refuses a mask that
+    looks label-aligned in an RL forward, `label_aligned_signature`: say ``"input"`` for one that
+    only looks so). TypeError unless ``loss_mask`` is a torch.Tensor or None; ValueError for
+    another ``aligned``.
     """
     if loss_mask is not None:
         _check_tensor(loss_mask, "loss_mask", "a torch.Tensor or None")
     if aligned is not None and aligned not in ALIGNMENTS:
         raise ValueError(f"aligned must be one of {ALIGNMENTS} or None (not said), got {aligned!r}")
-    token, alignment = _SCOPED_LOSS_MASK.set(loss_mask), _SCOPED_ALIGNMENT.set(aligned)
+    token = _SCOPED_LOSS_MASK.set(loss_mask)
+    alignment = _SCOPED_ALIGNMENT.set(_SCOPED_ALIGNMENT.get() if aligned is None else aligned)
     try:
         yield loss_mask
     finally:

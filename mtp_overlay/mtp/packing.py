@@ -224,7 +224,9 @@ def boundary_tensor(cu: torch.Tensor | Sequence[int], name: str, device: torch.d
     if isinstance(cu, torch.Tensor):
         if cu.is_floating_point() or cu.is_complex() or cu.dtype == torch.bool:
             raise ValueError(f"{name} must hold integers, got dtype {cu.dtype}")
-        cu = cu.detach().to(device=device if device is not None else cu.device, dtype=torch.int64)
+        cu = cu.detach().to(torch.int64)
+        if device is not None and cu.device != torch.device(device):  # only a move is a copy (to the host: a sync)
+            cu = cu.to(device)
     else:
         cu = torch.as_tensor(cu, dtype=torch.int64, device=device)
     if cu.dim() != 1 or cu.numel() < 1:

@@ -1,0 +1,92 @@
+"""With every fix installed, the overlay adds no host read (no device sync on a GPU) to Megatron's step.
+
+Megatron's own training step (``get_forward_backward_func`` -> DDP -> ``finalize_model_grads``) on
+the tiny HybridModel, one packed THD row of four sequences in NeMo-RL's real-lengths flavour, an RL
+forward with the MTP mask scoped (every megatron-core fix's hook on the path: the mask routed and
+checked, the packed rolls, the CP loss scale, the SP scatter of a model that does not scatter its
+embedding), at TP1, CP2 and TP2+SP. `SyncCounter` counts every host read of the forward+backward
+by who made it. In the default mode the overlay's count is 0 from the second step on; the first
+step makes the one-time checks (the mask's alignment: one read); ``MTP_OVERLAY_CHECKS=full`` makes
+the host-side checks (so the counter sees the overlay's reads when there are any) and trains the
+same gradients. Wall time on 2 shared cores: ~40 s for the three layouts (pools shared).
+"""
+
+import numpy
+import pytest
+
+from mtp_overlay.testing.launcher import run_ranks_checked
+from mtp_overlay.testing.parity import PARALLELISMS
+
+LAYOUTS = {  # parallelism -> (model, sequence parallel)
+    "TP1": ("hybrid", False),
+    "CP2": ("hybrid", False),
+    "TP2+SP": ("hybrid, scatter=False", True),
+}
+
+
+def hot_path_syncs(model_name, sequence_parallel, pad_multiple):
+    """Rank worker: the host reads of Megatron's forward+backward, by step and mode (`SyncCounter.summary`)."""
+    import mtp_overlay
+    from mtp_overlay.testing import parity
+    from mtp_overlay.testing.megatron_step import MegatronStep
+    from mtp_overlay.testing.syncs import SyncCounter, checks_mode
+
+    mtp_overlay.uninstall()  # the model is built by stock megatron-core, then every fix goes in
+    step = MegatronStep(parity.build(model_name, sequence_parallel=sequence_parallel), optimizer=None)
+    mtp_overlay.install()
+    batch = parity.packed_row(pad_multiple, "unpadded").microbatch(labels=False)
+    counter = SyncCounter()
+    step.schedule_scope = lambda: counter
+
+    def counted(microbatch=batch):
+        counter.clear()
+        result = step.step([microbatch], labels=False, update=False, mtp_mask="scoped")
+        return counter.summary(), result
+
+    out = {"first": counted(), "warm": counted()}
+    with checks_mode("full"):
+        out["full"] = counted()
+    # stock runs the padded flavour (the real-lengths one needs mtp-packed-roll), keeping only the
+    # scatter a model that does not scatter its embedding needs under SP (without it: a crash)
+    mtp_overlay.uninstall()
+    mtp_overlay.install(only=["mtp-sp-scatter"] if model_name in parity.NOT_SCATTERING else [])
+    out["stock"] = counted(parity.packed_row(pad_multiple, "padded").microbatch(labels=False))
+    return {key: (summary, result.grads, result.mtp_tokens) for key, (summary, result) in out.items()}
+
+
+def overlay(summary):
+    return {key: count for key, count in summary.items() if key[0] == "overlay"}
+
+
+@pytest.fixture(scope="module", params=sorted(LAYOUTS))
+def layout(request):
+    spec = PARALLELISMS[request.param]
+    model, sp = LAYOUTS[request.param]
+    ranks = run_ranks_checked(hot_path_syncs, spec["world_size"], tp=spec["tp"], cp=spec["cp"], fixes=None,
+                              args=(model, sp, spec["pad_multiple"]), timeout=600)
+    return request.param, ranks
+
+
+def test_the_overlay_adds_no_host_read_per_step_by_default(layout):
+    name, ranks = layout
+    for rank, out in enumerate(ranks):
+        assert overlay(out["warm"][0]) == {}, (name, rank, overlay(out["warm"][0]))
+        # the first step: the one-time alignment check of the scoped mask, one read, nothing else
+        first = overlay(out["first"][0])
+        assert list(first.values()) == [1], (name, rank, first)
+        (origin, kind, place), = first
+        assert kind == "Tensor.tolist" and "mtp_overlay/mtp/layout.py" in place, first
+        # stock makes its own reads; the counter sees them, apart from the overlay's
+        assert sum(out["stock"][0].values()) > 0 and overlay(out["stock"][0]) == {}
+        assert {origin for origin, _, _ in out["warm"][0]} <= {"megatron", "test bed"}
+
+
+def test_the_full_checks_read_on_the_host_and_train_the_same(layout):
+    name, ranks = layout
+    for out in ranks:
+        full = overlay(out["full"][0])
+        assert sum(full.values()) >= 3, (name, full)  # the layout check, the roll's boundaries, the alignment
+        assert {kind for _, kind, _ in full} >= {"Tensor.__bool__"}
+        for part in ("mtp", "lm"):
+            assert numpy.array_equal(out["full"][1][part], out["warm"][1][part]), (name, part)
+        assert out["full"][2] == out["warm"][2] == out["first"][2]
