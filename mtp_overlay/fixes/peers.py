@@ -11,8 +11,10 @@ a rank that lacks a fix cannot be asked to join one more collective) and waits f
 group to do the same. Every rank that runs overlay code then compares and, where they differ, raises
 `OverlayError` naming the ranks on each side: all of them at the same point, before any mismatched
 collective. A rank that never answers (no overlay there at all) makes the others raise after
-`TIMEOUT_S`, naming it: bounded, never a hang. Once agreed, a group is not asked again (the fix's
-install starts a fresh agreement: `forget`); what it costs per forward afterwards is a set lookup.
+`TIMEOUT_S`, naming it: bounded, never a hang. Once agreed, a group is not asked again: each
+collective fix's install starts afresh (`forget`), and what `agree` costs per call afterwards is a
+dict lookup (the fixes' states are not even read: call `forget` after changing which fixes run on a
+rank otherwise than by installing one).
 """
 
 import json
@@ -35,6 +37,7 @@ PREFIX = "mtp-overlay/peers"
 _lock = threading.Lock()
 _agreed: "set[tuple[tuple[int, ...], tuple[bool, ...]]]" = set()  # (group ranks, this rank's fixes) agreed on
 _rounds: "dict[tuple[int, ...], int]" = {}  # group ranks -> agreements started (the store keys' generation)
+_settled: "dict[int, Any]" = {}  # id(group) -> the group, agreed on since the last `forget` (the fast path)
 
 
 def active(fix: "Fix") -> "tuple[bool, ...]":
@@ -49,12 +52,15 @@ def active(fix: "Fix") -> "tuple[bool, ...]":
 def agree(fix: "Fix", group: "Any") -> None:
     """Return once every rank of ``group`` (a torch.distributed group of more than one rank) runs the
     same collective fixes as this one; OverlayError otherwise (see the module docstring)."""
+    if _settled.get(id(group)) is group:
+        return
     import torch.distributed as dist
 
     ranks = tuple(dist.get_process_group_ranks(group))
     mine = active(fix)
     with _lock:
         if (ranks, mine) in _agreed:
+            _settled[id(group)] = group
             return
         generation = _rounds.get(ranks, 0)
         _rounds[ranks] = generation + 1
@@ -73,12 +79,14 @@ def agree(fix: "Fix", group: "Any") -> None:
         )
     with _lock:
         _agreed.add((ranks, mine))
+        _settled[id(group)] = group
 
 
 def forget() -> None:
     """Start afresh: the next `agree` on any group asks its ranks again (a fix was (re)installed)."""
     with _lock:
         _agreed.clear()
+        _settled.clear()
 
 
 def _exchange(ranks: "tuple[int, ...]", generation: int, mine: "tuple[bool, ...]", fix_name: str) -> "dict[int, list[bool]]":

@@ -62,13 +62,14 @@ def _check_value(key: str, value: object) -> None:
     """ValueError naming ``mtp_config[key]`` unless ``value`` is of the kind the key takes."""
     import math
 
-    number = isinstance(value, (int, float)) and not isinstance(value, bool)
     if key == "mtp_num_layers":
-        ok, expected = value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 0), \
-            "None or an int >= 0 (the number of MTP depths)"
+        expected = "None or an int >= 0 (the number of MTP depths)"
+        ok = value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 0)
     elif key == "mtp_loss_scaling_factor":
-        ok, expected = number and math.isfinite(value) and value >= 0, "a finite number >= 0"  # type: ignore[arg-type, operator]
+        expected = "a finite number >= 0"
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
     else:
-        ok, expected = isinstance(value, bool), "True or False"
+        expected = "True or False"
+        ok = isinstance(value, bool)
     if not ok:
         raise ValueError(f"mtp_config[{key!r}] must be {expected}, got {type(value).__name__} {value!r}")

@@ -22,7 +22,7 @@ import contextlib
 import contextvars
 from typing import TYPE_CHECKING, Any
 
-from .checks import device_assert
+from .checks import device_assert, full
 from .mask import _shape, check_weights, unwrap_model
 from .packing import (
     _check_cp,
@@ -125,7 +125,8 @@ def input_aligned_mask(label_mask: torch.Tensor, cu_seqlens_padded: torch.Tensor
     each packed sequence of a full [1, T] row) shifted right by one slot, its first slot 0.
 
     Exact for an RL forward: the first token of a sequence is never a target, and megatron-core
-    rolls the mask back left. Full rows only (before CP sharding). On the mask's device, no host read.
+    rolls the mask back left. Full rows only (before CP sharding). On the mask's device, no host read
+    (the boundaries asserted there; checked on the host under ``MTP_OVERLAY_CHECKS=full``).
     """
     import torch
 
@@ -138,7 +139,10 @@ def input_aligned_mask(label_mask: torch.Tensor, cu_seqlens_padded: torch.Tensor
         first = torch.arange(length, device=label_mask.device) == 0
     else:
         cu = boundary_tensor(cu_seqlens_padded, "cu_seqlens_padded", label_mask.device)
-        assert_boundaries(cu, length, 1, "cu_seqlens_padded")
+        if full():
+            _check_cu_seqlens(cu, "cu_seqlens_padded", length, label_mask.device)
+        else:
+            assert_boundaries(cu, length, 1, "cu_seqlens_padded")
         first = slot_geometry(cu, length).position == 0
     return shifted.masked_fill(first, 0)
 

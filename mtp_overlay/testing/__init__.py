@@ -94,6 +94,13 @@ Usage (``fn`` must be a module-level function, its arguments and return value pi
   models included (``parity_table`` / ``markdown``: ``scripts/parity.py``), and the
   composition cases of the real path (``composition_cases``, ``expected_outcome``: which fixes a path
   needs; ``scripts/parity.py --compose``).
+* ``syncs``: ``SyncCounter`` (``with SyncCounter() as counted: ...``) counts every data-dependent
+  host read of a block (``bool(t)``, ``.item()``, ``.tolist()``, ``.nonzero()``, ``torch.equal``,
+  boolean indexing, ``.cpu()``, ``torch.cuda.synchronize``, ...: a device sync each on a GPU) by who
+  made it, the overlay's product code apart from megatron, the test bed and the rest
+  (``counted.overlay``, ``by_origin()``, ``summary()``); ``MegatronStep.schedule_scope = lambda:
+  counted`` counts the forward+backward alone; ``checks_mode("full")`` sets ``MTP_OVERLAY_CHECKS``
+  for a block.
 * ``reproducers.reproduce(fix_id) -> (bug_shows, evidence)``: a fix's stock path with the fix off
   (``reproducers/<fix_id>.py``), for the support matrix, the upstream-tracking tests, ``check --run``.
 * ``demo``: the main job (``mtp-overlay demo``); ``patch_images``: what ``scripts/measure_patches.py``

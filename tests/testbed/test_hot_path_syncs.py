@@ -1,8 +1,8 @@
 """With every fix installed, the overlay adds no host read (no device sync on a GPU) to Megatron's step.
 
 Megatron's own training step (``get_forward_backward_func`` -> DDP -> ``finalize_model_grads``) on
-the tiny HybridModel, one packed THD row of four sequences in NeMo-RL's real-lengths flavour, an RL
-forward with the MTP mask scoped (every megatron-core fix's hook on the path: the mask routed and
+the tiny HybridModel, one packed THD row of four sequences in NeMo-RL's real-lengths flavour (then a
+BSHD batch), an RL forward with the MTP mask scoped (every megatron-core fix's hook on the path: the mask routed and
 checked, the packed rolls, the CP loss scale, the SP scatter of a model that does not scatter its
 embedding), at TP1, CP2 and TP2+SP. `SyncCounter` counts every host read of the forward+backward
 by who made it. In the default mode the overlay's count is 0 from the second step on; the first
@@ -29,6 +29,7 @@ def hot_path_syncs(model_name, sequence_parallel, pad_multiple):
     import mtp_overlay
     from mtp_overlay.testing import parity
     from mtp_overlay.testing.megatron_step import MegatronStep
+    from mtp_overlay.testing.reproducers.mtp_cp_loss_scale import microbatch
     from mtp_overlay.testing.syncs import SyncCounter, checks_mode
 
     mtp_overlay.uninstall()  # the model is built by stock megatron-core, then every fix goes in
@@ -38,12 +39,13 @@ def hot_path_syncs(model_name, sequence_parallel, pad_multiple):
     counter = SyncCounter()
     step.schedule_scope = lambda: counter
 
-    def counted(microbatch=batch):
+    def counted(rows=batch):
         counter.clear()
-        result = step.step([microbatch], labels=False, update=False, mtp_mask="scoped")
+        result = step.step([rows], labels=False, update=False, mtp_mask="scoped")
         return counter.summary(), result
 
     out = {"first": counted(), "warm": counted()}
+    out["bshd"] = counted(microbatch("uneven", labels=False))  # full-length rows, CP-sliced by Megatron's layout
     with checks_mode("full"):
         out["full"] = counted()
     # stock runs the padded flavour (the real-lengths one needs mtp-packed-roll), keeping only the
@@ -58,7 +60,8 @@ def overlay(summary):
     return {key: count for key, count in summary.items() if key[0] == "overlay"}
 
 
-@pytest.fixture(scope="module", params=sorted(LAYOUTS))
+@pytest.fixture(scope="module", params=[pytest.param("CP2"), pytest.param("TP1", marks=pytest.mark.slow),
+                                        pytest.param("TP2+SP", marks=pytest.mark.slow)])
 def layout(request):
     spec = PARALLELISMS[request.param]
     model, sp = LAYOUTS[request.param]
@@ -70,7 +73,8 @@ def layout(request):
 def test_the_overlay_adds_no_host_read_per_step_by_default(layout):
     name, ranks = layout
     for rank, out in enumerate(ranks):
-        assert overlay(out["warm"][0]) == {}, (name, rank, overlay(out["warm"][0]))
+        for step in ("warm", "bshd"):
+            assert overlay(out[step][0]) == {}, (name, rank, step, overlay(out[step][0]))
         # the first step: the one-time alignment check of the scoped mask, one read, nothing else
         first = overlay(out["first"][0])
         assert list(first.values()) == [1], (name, rank, first)

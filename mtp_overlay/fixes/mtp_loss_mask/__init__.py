@@ -94,8 +94,9 @@ class LossMaskFix(Fix):
     def wrappers(self, module: "ModuleType") -> "Iterator[tuple[object, str, Callable[..., Any]]]":
         from ... import mtp
 
-        peers.forget()  # installed (again): its groups agree afresh
-        _alignment_checked.clear()
+        global _alignment_checked
+        peers.forget()  # installed (again): its groups agree afresh, its first RL forward is checked
+        _alignment_checked = False
         cls, forward = _forward(module)
         assert forward is not None, "probed first"
         at = positions(forward, method=True)  # self is bound by wrapt
@@ -138,7 +139,7 @@ class LossMaskFix(Fix):
         yield cls, "forward", forward_with_loss_mask
 
 
-_alignment_checked: "set[bool]" = set()  # holds True once the first packed RL forward's mask was checked
+_alignment_checked = False  # whether the first packed RL forward's mask was checked for its alignment
 
 
 def _cp_group(model: "Any") -> "Any":
@@ -167,11 +168,12 @@ def _input_aligned(loss_mask: "Any", packed: "Any", cp_size: int) -> "Any":
 def _check_alignment(loss_mask: "Any", packed: "Any", group: "Any", cp_rank: int) -> None:
     """Refuse the label-aligned off-by-one in an RL forward whose mask's alignment is not said: on
     the first packed one (every one under ``MTP_OVERLAY_CHECKS=full``)."""
+    global _alignment_checked
     from ... import mtp
 
     if _alignment_checked and not mtp.checks.full():
         return
-    _alignment_checked.add(True)
+    _alignment_checked = True
     sequences = mtp.label_aligned_signature(loss_mask, packed, group, cp_rank)
     if sequences is not None:
         raise ValueError(
@@ -204,7 +206,8 @@ def _check_roll_boundaries(packed: "Any") -> None:
     real, padded = packed.cu_seqlens_q, packed.cu_seqlens_q_padded
     if state in (State.INSTALLED, State.REDUNDANT) or padded is None:
         return
-    if torch.equal(torch.as_tensor(real).long(), torch.as_tensor(padded).long().to(torch.as_tensor(real).device)):
+    real_cu = torch.as_tensor(real).long()
+    if torch.equal(real_cu, torch.as_tensor(padded, device=real_cu.device).long()):
         return
     raise ValueError(
         f"packed_seq_params.cu_seqlens_q {real.tolist()[:16]} differs from cu_seqlens_q_padded "

@@ -11,6 +11,8 @@ and the tiny HybridModel (packed THD). Wall time on 2 shared cores: ~35 s.
 
 import re
 
+import pytest
+
 from mtp_overlay.testing.launcher import run_ranks, run_ranks_checked
 
 FIXES = ["mtp-loss-mask", "mtp-packed-roll", "mtp-cp-loss-scale"]
@@ -94,6 +96,7 @@ def overlay_on_rank_0_only():
     step.step([microbatch("uneven")], loss="2-output", update=False)
 
 
+@pytest.mark.slow
 def test_a_rank_without_the_overlay_is_named_after_the_timeout_not_a_hang():
     results = run_ranks(overlay_on_rank_0_only, 2, cp=2, fixes=[], timeout=120, fresh=True)
     error = results[0].error

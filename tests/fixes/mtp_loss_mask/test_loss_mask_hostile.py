@@ -78,7 +78,7 @@ ALIGNED = [  # item 5: the response mask of PROMPTS, input- or label-aligned, wi
 ]
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=["CP1", "CP2"])
+@pytest.fixture(scope="module", params=[pytest.param(1, id="CP1"), pytest.param(2, id="CP2", marks=pytest.mark.slow)])
 def packed(request):
     cp = request.param
     ranks = run_ranks_checked(packed_cases, cp, cp=cp, fixes=[MASK, ROLL, SCALE], args=(NO_MASK + ALIGNED,), timeout=600)

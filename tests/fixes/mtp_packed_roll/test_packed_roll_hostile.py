@@ -133,7 +133,7 @@ def inference_forward():
     return inference, torch.equal(eval_logits, reference), torch.equal(rolled, want)
 
 
-@pytest.mark.parametrize("cp", [1, 2])
+@pytest.mark.parametrize("cp", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_a_packed_forward_under_inference_mode_runs_and_equals_no_grad(cp):
     for inference, same_logits, rolled_right in run_ranks_checked(inference_forward, cp, cp=cp, fixes=[FIX]):
         assert inference and same_logits and rolled_right
