@@ -2,7 +2,9 @@
 
 One gloo rank (TP1) and two (TP2 + sequence parallel) run forward+backward of the test bed's tiny
 GPT with one MTP layer, alternating every repetition between the overlay installed (every fix's
-wrappers on megatron-core) and uninstalled (stock), so machine drift hits both sides alike.
+wrappers on megatron-core) and uninstalled (stock), so machine drift hits both sides alike. After
+each switch one step runs untimed: a process installs the overlay once, so what a switch costs
+(CPython re-specialising the code whose classes and globals it patched) is not the overlay's.
 Prints the median step time of each side and their ratio (goal <= 1.01), and the host reads (device
 syncs on a GPU) of one step of each side by who made them (`mtp_overlay.testing.syncs`; the step's
 own logging, ``mtp_overlay.mtp.mtp_metrics``, reads the logged numbers on both sides): the
@@ -37,6 +39,7 @@ def interleaved_steps(repeats, checks=None):
             mtp_overlay.uninstall()
             if side == "overlay":
                 mtp_overlay.install()
+            train_step(model, batch)  # untimed: a switch's own cost (the interpreter re-specialising the patched code)
             start = time.perf_counter()
             train_step(model, batch)
             if index >= 4:  # warm-up steps are not counted

@@ -29,6 +29,8 @@ from .packing import (
     _check_cu_seqlens,
     assert_boundaries,
     boundary_tensor,
+    chunk_runs,
+    covered,
     cp_local_indices,
     cp_shard,
     slot_geometry,
@@ -143,7 +145,8 @@ def input_aligned_mask(label_mask: torch.Tensor, cu_seqlens_padded: torch.Tensor
             _check_cu_seqlens(cu, "cu_seqlens_padded", length, label_mask.device)
         else:
             assert_boundaries(cu, length, 1, "cu_seqlens_padded")
-        first = slot_geometry(cu, length).position == 0
+        starts, lengths, _ = chunk_runs(cu)
+        first = covered(starts, lengths.clamp(max=1), length)
     return shifted.masked_fill(first, 0)
 
 
@@ -214,10 +217,12 @@ def assert_loss_mask_layout(
             "both must be [n+1]"
         )
     assert_boundaries(padded, length, cp_size, "packed_seq_params.cu_seqlens_q_padded", None if padded_cu is None else real)
-    if real.numel() < 2:
-        return
-    geometry = slot_geometry(padded, length, cp_size, cp_rank)
-    padding = geometry.position >= (real[1:] - real[:-1])[geometry.sequence]
+    starts, lengths, offsets = chunk_runs(padded, cp_size, cp_rank)
+    real_lengths = real[1:] - real[:-1]
+    if cp_size > 1:
+        real_lengths = torch.stack([real_lengths, real_lengths], 1).flatten()
+    tokens = torch.minimum((real_lengths - offsets).clamp(min=0), lengths)  # each run's real slots come first
+    padding = ~covered(starts, tokens, length)
     device_assert(~((loss_mask != 0) & padding).any(), (
         f"loss_mask is nonzero in a padding slot of the packed input_ids (cp {cp_rank}/{cp_size}): pack the mask "
         "with the tokens' boundaries and per-sequence padding, pad slots 0 (mtp_overlay.mtp.pack_sequences)"))

@@ -216,6 +216,41 @@ def slot_geometry(cu_seqlens_padded: torch.Tensor, local_length: int, cp_size: i
     return SlotGeometry(sequence, offset, chunk, position)
 
 
+def chunk_runs(
+    cu_seqlens_padded: torch.Tensor, cp_size: int = 1, cp_rank: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The runs of consecutive slots a CP-local packed row is made of: (starts, lengths, offsets),
+    int64 on the boundaries' device, no host read.
+
+    Without CP one run per padded sequence; under CP two, its front chunk (r) and back chunk
+    (2*cp-1-r), interleaved. ``offsets``: each run's first slot's place in its whole padded sequence.
+    ``cu_seqlens_padded``: int64 [n+1], valid for the row (`assert_boundaries`).
+    """
+    import torch
+
+    cu = cu_seqlens_padded
+    lengths = cu[1:] - cu[:-1]
+    if cp_size == 1:
+        return cu[:-1], lengths, torch.zeros_like(lengths)
+    chunk = lengths // (2 * cp_size)
+    front = cu[:-1] // cp_size
+    starts = torch.stack([front, front + chunk], 1).flatten()
+    offsets = torch.stack([cp_rank * chunk, (2 * cp_size - 1 - cp_rank) * chunk], 1).flatten()
+    return starts, torch.stack([chunk, chunk], 1).flatten(), offsets
+
+
+def covered(starts: torch.Tensor, counts: torch.Tensor, length: int) -> torch.Tensor:
+    """Bool [length]: True on the first ``counts[i]`` slots from ``starts[i]`` of runs that do not
+    overlap (a run may be empty, or start at ``length``). One cumulative sum, on the device."""
+    import torch
+
+    steps = torch.zeros(length + 1, dtype=torch.int32, device=starts.device)
+    ones = torch.ones(starts.shape, dtype=torch.int32, device=starts.device)
+    steps.index_add_(0, starts.clamp(max=length), ones)
+    steps.index_add_(0, (starts + counts).clamp(max=length), -ones)
+    return steps.cumsum(0, dtype=torch.int32)[:length] > 0
+
+
 def boundary_tensor(cu: torch.Tensor | Sequence[int], name: str, device: torch.device | None = None) -> torch.Tensor:
     """``cu`` as an int64 [n+1] tensor on ``device``, refused on what needs no host read (its dtype
     and shape): ValueError naming ``name``. No value is read (`assert_boundaries` checks them)."""

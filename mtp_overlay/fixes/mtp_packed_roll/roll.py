@@ -16,7 +16,8 @@ is zeroed, padding included (Megatron-LM #7278): ``[1,1,1,1,1,1,1,0]`` rolls to
 trains it.
 
 Where each slot goes is worked out at every call, on the tensor's device, from the boundaries the
-call gives (`mtp_overlay.mtp.packing.slot_geometry`: static shapes, no host read). Nothing is cached:
+call gives (`mtp_overlay.mtp.packing.chunk_runs` and `covered`: a few ops over the sequences and
+one cumulative sum over the row, static shapes, no host read). Nothing is cached:
 a plan cached by the boundary tensor's identity and version went stale when a collective, numpy or
 ``.data`` rewrote a reused buffer, and inference tensors have no version at all. The boundaries'
 validity is asserted on the device (`mtp_overlay.mtp.checks`); ``MTP_OVERLAY_CHECKS=full`` checks
@@ -26,7 +27,7 @@ them on the host first, with a ValueError naming the argument.
 import torch
 
 from ...mtp import checks
-from ...mtp.packing import assert_boundaries, boundary_tensor, slot_geometry
+from ...mtp.packing import assert_boundaries, boundary_tensor, chunk_runs, covered
 
 REAL, PADDED = "packed_seq_params.cu_seqlens_q", "packed_seq_params.cu_seqlens_q_padded"
 
@@ -56,35 +57,36 @@ def roll_packed(tensor, cu_seqlens_q, cu_seqlens_q_padded=None, cp_group=None, c
     rolled = torch.roll(tensor, shifts=-1, dims=-1)
     if length == 0:  # nothing to roll; under CP every rank's row is empty (same boundaries)
         return rolled
-    geometry = slot_geometry(padded, length, cp_size, cp_rank)
-    real_lengths = real[1:] - real[:-1]
+    starts, lengths, offsets = chunk_runs(padded, cp_size, cp_rank)
+    with_next = (real[1:] - real[:-1] - 1).clamp(min=0)  # positions 0 .. L-2 of a sequence have a real next token
     if cp_size > 1:
-        rolled = _splice_neighbours(tensor, rolled, padded, geometry, cp_group, cp_size, cp_rank)
-    # slot j keeps a value while position j + 1 of its sequence is a real token
-    dead = geometry.position + 1 >= real_lengths[geometry.sequence] if real_lengths.numel() else geometry.position >= 0
-    return rolled.masked_fill_(dead, 0)
+        with_next = torch.stack([with_next, with_next], 1).flatten()
+        rolled = _splice_neighbours(tensor, rolled, starts, lengths, cp_group, cp_size, cp_rank)
+    # slot j of a run sits at place offset + j of its sequence: it keeps a value while that place has
+    # a real next token
+    live = torch.minimum((with_next - offsets).clamp(min=0), lengths)
+    return rolled.masked_fill_(~covered(starts, live, length), 0)
 
 
-def _splice_neighbours(tensor, rolled, padded, geometry, cp_group, cp_size, cp_rank):
-    """``rolled`` with the last slot of each chunk set to the first element of the next chunk."""
+def _splice_neighbours(tensor, rolled, starts, lengths, cp_group, cp_size, cp_rank):
+    """``rolled`` with the last slot of each chunk set to the first element of the next chunk.
+
+    Chunk firsts and lasts are indexed by sequence (static shapes); an empty sequence's index points
+    at a scratch slot past the row (and its first at a slot no one reads), so nothing is filtered on
+    the host.
+    """
     length = tensor.shape[-1]
-    local_starts = padded[:-1] // cp_size
-    chunks = (padded[1:] - padded[:-1]) // (2 * cp_size)
-    # every sequence's front and back chunk firsts, interleaved; an empty sequence's index is a
-    # placeholder (clamped into the row) that no slot reads back
-    firsts = torch.stack([local_starts, local_starts + chunks], 1).flatten().clamp_(max=length - 1)
-    sent = tensor.index_select(-1, firsts).contiguous()
+    sent = tensor.index_select(-1, starts.clamp(max=length - 1)).contiguous()  # front, back firsts interleaved
     gathered = sent.new_empty(cp_size * sent.numel())
     _all_gather(gathered, sent.view(-1), cp_group)
     gathered = gathered.view((cp_size,) + tuple(sent.shape))
-    front = geometry.offset < geometry.chunk
+    lasts = torch.where(lengths > 0, starts + lengths - 1, length)
+    spliced = torch.cat([rolled, rolled.new_zeros(rolled.shape[:-1] + (1,))], -1)
     if cp_rank < cp_size - 1:  # front chunk r continues in chunk r + 1: rank r + 1's front chunk
-        last = front & (geometry.offset == geometry.chunk - 1)
-        rolled = torch.where(last, gathered[cp_rank + 1].index_select(-1, 2 * geometry.sequence), rolled)
+        spliced.index_copy_(-1, lasts[0::2], gathered[cp_rank + 1][..., 0::2])
     if cp_rank > 0:  # back chunk 2cp-1-r continues in chunk 2cp-r: rank r - 1's back chunk
-        last = ~front & (geometry.offset == 2 * geometry.chunk - 1)
-        rolled = torch.where(last, gathered[cp_rank - 1].index_select(-1, 2 * geometry.sequence + 1), rolled)
-    return rolled
+        spliced.index_copy_(-1, lasts[1::2], gathered[cp_rank - 1][..., 1::2])
+    return spliced[..., :length].contiguous()
 
 
 def roll_unpacked_cp(tensor, cp_group, cp_size, cp_rank):
