@@ -175,15 +175,11 @@ def cp_local_indices(
 class SlotGeometry(NamedTuple):
     """Where each slot of a CP-local packed row sits (`slot_geometry`): int64 [local_length] each.
 
-    sequence: the padded sequence holding the slot; offset: its place among that sequence's local
-    slots (front chunk first, then back chunk); chunk: that sequence's chunk length (its padded
-    length / 2*cp_size; its whole padded length without CP); position: its place in the whole
-    padded sequence (0 .. padded length - 1), which is what real lengths are compared with.
+    sequence: the padded sequence holding the slot; position: its place in the whole padded
+    sequence (0 .. padded length - 1), which is what real lengths are compared with.
     """
 
     sequence: torch.Tensor
-    offset: torch.Tensor
-    chunk: torch.Tensor
     position: torch.Tensor
 
 
@@ -192,8 +188,9 @@ def slot_geometry(cu_seqlens_padded: torch.Tensor, local_length: int, cp_size: i
 
     ``cu_seqlens_padded``: int64 [n+1] on the row's device, valid for the row (`assert_boundaries`;
     under CP each padded length a multiple of 2*cp_size, rank r holding chunks r and 2*cp-1-r of each
-    sequence). Static shapes, device work only, no host read: the layout every packed check and the
-    MTP roll read, computed from the boundaries given at each call (no cache to go stale).
+    sequence). Static shapes, device work only, no host read, from the boundaries given at each call.
+    One search per slot: what needs a slot's sequence uses it; what needs only which slots a run
+    covers uses `chunk_runs` and `covered` (a cumulative sum, several times cheaper on a long row).
     """
     import torch
 
@@ -201,19 +198,15 @@ def slot_geometry(cu_seqlens_padded: torch.Tensor, local_length: int, cp_size: i
     count = cu.numel() - 1
     slot = torch.arange(local_length, device=cu.device)
     if count < 1:  # no sequence: every slot (there should be none) is past the end
-        zeros = torch.zeros_like(slot)
-        return SlotGeometry(zeros, slot, zeros, slot)
+        return SlotGeometry(torch.zeros_like(slot), slot)
     local = cu // cp_size if cp_size > 1 else cu
     sequence = (torch.searchsorted(local, slot, right=True) - 1).clamp_(0, count - 1)
     offset = slot - local[sequence]
-    lengths = cu[1:] - cu[:-1]
     if cp_size == 1:
-        chunk = lengths[sequence]
-        return SlotGeometry(sequence, offset, chunk, offset)
-    chunk = (lengths // (2 * cp_size))[sequence]
+        return SlotGeometry(sequence, offset)
+    chunk = ((cu[1:] - cu[:-1]) // (2 * cp_size))[sequence]
     back = (2 * cp_size - 1 - cp_rank) * chunk + (offset - chunk)
-    position = torch.where(offset < chunk, cp_rank * chunk + offset, back)
-    return SlotGeometry(sequence, offset, chunk, position)
+    return SlotGeometry(sequence, torch.where(offset < chunk, cp_rank * chunk + offset, back))
 
 
 def chunk_runs(

@@ -8,7 +8,8 @@ embedding), at TP1, CP2 and TP2+SP. `SyncCounter` counts every host read of the 
 by who made it. In the default mode the overlay's count is 0 from the second step on; the first
 step makes the one-time checks (the mask's alignment: one read); ``MTP_OVERLAY_CHECKS=full`` makes
 the host-side checks (so the counter sees the overlay's reads when there are any) and trains the
-same gradients. Wall time on 2 shared cores: ~40 s for the three layouts (pools shared).
+same gradients. Wall time on 2 shared cores (load ~7), alone: 23 s for CP2, 20 s more for TP1 and
+TP2+SP (slow); with the suite's shared pools a few seconds per layout.
 """
 
 import numpy

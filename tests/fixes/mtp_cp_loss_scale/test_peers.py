@@ -6,7 +6,8 @@ aborts on the mismatch at depth 1; at depth 2 with a per-token loss both ranks h
 Each collective fix first agrees with its group (`mtp_overlay.fixes.peers`): every rank that runs
 overlay code raises OverlayError naming the ranks on each side; a rank without any overlay makes
 the others raise after the timeout, naming it. Megatron's own step at CP=2, the tiny GPT (BSHD)
-and the tiny HybridModel (packed THD). Wall time on 2 shared cores: ~35 s.
+and the tiny HybridModel (packed THD). Wall time on 2 shared cores (load ~7), alone: 32 s; the
+timeout case (slow, its own fresh ranks) 41 s.
 """
 
 import re

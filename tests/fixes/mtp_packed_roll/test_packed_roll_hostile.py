@@ -6,7 +6,8 @@ no version), and a reused buffer rewritten where the version does not move (``di
 it, numpy, ``.data``) was rolled on the previous step's packing. Every case runs megatron-core's
 installed ``roll_tensor`` with the fix on (and a real HybridModel forward for inference mode) against
 the per-sequence reference (`packed_reference`), on this process (CP=1) and on gloo ranks (CP=2,
-and two ranks whose boundaries arrive by broadcast). Wall time on 2 shared cores: ~25 s.
+and two ranks whose boundaries arrive by broadcast). Wall time on 2 shared cores (load ~7), alone:
+26 s, the CP=2 forward (slow) 23 s more; most of it starting ranks.
 """
 
 import pytest
