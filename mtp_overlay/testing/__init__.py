@@ -101,6 +101,9 @@ Usage (``fn`` must be a module-level function, its arguments and return value pi
   (``counted.overlay``, ``by_origin()``, ``summary()``); ``MegatronStep.schedule_scope = lambda:
   counted`` counts the forward+backward alone; ``checks_mode("full")`` sets ``MTP_OVERLAY_CHECKS``
   for a block.
+* ``hot_path``: the host reads of Megatron's step on the packed THD path with every fix installed,
+  per layout and step (``run(layout)``: first, warm, BSHD, full checks, stock;
+  ``scripts/hot_path_syncs.py`` prints them).
 * ``verify``: the engine of ``mtp-overlay verify`` (the same steps as ``parity``, ``parity.run_step``),
   on a user's shrunk config built by Bridge's provider: per case the (sequence, position, target)
   pairs each MTP depth trained and the errors against each sequence alone; the product

@@ -1,60 +1,19 @@
 """With every fix installed, the overlay adds no host read (no device sync on a GPU) to Megatron's step.
 
-Megatron's own training step (``get_forward_backward_func`` -> DDP -> ``finalize_model_grads``) on
-the tiny HybridModel, one packed THD row of four sequences in NeMo-RL's real-lengths flavour (then a
-BSHD batch), an RL forward with the MTP mask scoped (every megatron-core fix's hook on the path: the mask routed and
-checked, the packed rolls, the CP loss scale, the SP scatter of a model that does not scatter its
-embedding), at TP1, CP2 and TP2+SP. `SyncCounter` counts every host read of the forward+backward
-by who made it. In the default mode the overlay's count is 0 from the second step on; the first
-step makes the one-time checks (the mask's alignment: one read); ``MTP_OVERLAY_CHECKS=full`` makes
-the host-side checks (so the counter sees the overlay's reads when there are any) and trains the
-same gradients. Wall time on 2 shared cores (load ~7), alone: 23 s for CP2, 20 s more for TP1 and
+Megatron's own training step on the tiny HybridModel, a packed THD row in NeMo-RL's real-lengths
+flavour (then a BSHD batch), an RL forward with the MTP mask scoped: every megatron-core fix's hook
+on the path (`mtp_overlay.testing.hot_path`), at TP1, CP2 and TP2+SP. `SyncCounter` counts every
+host read of the forward+backward by who made it. In the default mode the overlay's count is 0
+from the second step on; the first step makes the one-time checks (the mask's alignment: one
+read); ``MTP_OVERLAY_CHECKS=full`` makes the host-side checks (so the counter sees the overlay's
+reads when there are any) and trains the same gradients. Wall time on 2 shared cores (load ~7), alone: 23 s for CP2, 20 s more for TP1 and
 TP2+SP (slow); with the suite's shared pools a few seconds per layout.
 """
 
 import numpy
 import pytest
 
-from mtp_overlay.testing.launcher import run_ranks_checked
-from mtp_overlay.testing.parity import PARALLELISMS
-
-LAYOUTS = {  # parallelism -> (model, sequence parallel)
-    "TP1": ("hybrid", False),
-    "CP2": ("hybrid", False),
-    "TP2+SP": ("hybrid, scatter=False", True),
-}
-
-
-def hot_path_syncs(model_name, sequence_parallel, pad_multiple):
-    """Rank worker: the host reads of Megatron's forward+backward, by step and mode (`SyncCounter.summary`)."""
-    import mtp_overlay
-    from mtp_overlay.testing import parity
-    from mtp_overlay.testing.megatron_step import MegatronStep
-    from mtp_overlay.testing.reproducers.mtp_cp_loss_scale import microbatch
-    from mtp_overlay.testing.syncs import SyncCounter, checks_mode
-
-    mtp_overlay.uninstall()  # the model is built by stock megatron-core, then every fix goes in
-    step = MegatronStep(parity.build(model_name, sequence_parallel=sequence_parallel), optimizer=None)
-    mtp_overlay.install()
-    batch = parity.packed_row(pad_multiple, "unpadded").microbatch(labels=False)
-    counter = SyncCounter()
-    step.schedule_scope = lambda: counter
-
-    def counted(rows=batch):
-        counter.clear()
-        result = step.step([rows], labels=False, update=False, mtp_mask="scoped")
-        return counter.summary(), result
-
-    out = {"first": counted(), "warm": counted()}
-    out["bshd"] = counted(microbatch("uneven", labels=False))  # full-length rows, CP-sliced by Megatron's layout
-    with checks_mode("full"):
-        out["full"] = counted()
-    # stock runs the padded flavour (the real-lengths one needs mtp-packed-roll), keeping only the
-    # scatter a model that does not scatter its embedding needs under SP (without it: a crash)
-    mtp_overlay.uninstall()
-    mtp_overlay.install(only=["mtp-sp-scatter"] if model_name in parity.NOT_SCATTERING else [])
-    out["stock"] = counted(parity.packed_row(pad_multiple, "padded").microbatch(labels=False))
-    return {key: (summary, result.grads, result.mtp_tokens) for key, (summary, result) in out.items()}
+from mtp_overlay.testing import hot_path
 
 
 def overlay(summary):
@@ -64,11 +23,7 @@ def overlay(summary):
 @pytest.fixture(scope="module", params=[pytest.param("CP2"), pytest.param("TP1", marks=pytest.mark.slow),
                                         pytest.param("TP2+SP", marks=pytest.mark.slow)])
 def layout(request):
-    spec = PARALLELISMS[request.param]
-    model, sp = LAYOUTS[request.param]
-    ranks = run_ranks_checked(hot_path_syncs, spec["world_size"], tp=spec["tp"], cp=spec["cp"], fixes=None,
-                              args=(model, sp, spec["pad_multiple"]), timeout=600)
-    return request.param, ranks
+    return request.param, hot_path.run(request.param)
 
 
 def test_the_overlay_adds_no_host_read_per_step_by_default(layout):
