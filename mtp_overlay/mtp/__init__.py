@@ -43,14 +43,25 @@ Layout (``layout``)
         and mask alike.
     split_output(output) -> (output, sliced_loss_mask | None); unwrap_output(output) -> output
         A CP-slicing model returns ``(output, sliced_loss_mask)`` when given a full loss_mask.
-    loss_mask_scope(loss_mask)  (context manager, contextvars: thread and asyncio safe; Tensor or None)
-        With ``import mtp_overlay`` (fix ``mtp-loss-mask``), GPTModel/HybridModel.forward calls
-        made without a loss_mask inside the block get this one (MTP models, labels=None only;
-        with labels it is a ValueError). Every loss_mask reaching those forwards is checked:
-        shape equal to input_ids', and for packed input zeros in every padding slot and (MTP on)
-        cu_seqlens_q equal to cu_seqlens_q_padded; ValueError otherwise. A model that slices CP
-        itself gets its full-row mask as an explicit ``loss_mask`` instead.
+    loss_mask_scope(loss_mask, *, aligned=None)  (context manager, contextvars: thread and asyncio
+        safe; Tensor or None). With ``import mtp_overlay`` (fix ``mtp-loss-mask``),
+        GPTModel/HybridModel.forward calls made without a loss_mask inside the block get this one
+        (MTP models; with labels only when ``aligned="label"``, else a ValueError). ``aligned``:
+        "input" (unshifted: what an RL forward takes), "label" (``mask[i]`` weighs token i + 1: the
+        hook shifts it for an RL forward at CP=1), None (not said: the first packed RL forward's
+        mask is checked for the label-aligned off-by-one). Every loss_mask reaching those forwards
+        is checked: shape and device equal to input_ids', finite weights >= 0, for packed input
+        zeros in every padding slot (on the device by default, ValueErrors under
+        ``MTP_OVERLAY_CHECKS=full``), and (MTP on, mtp-packed-roll off) cu_seqlens_q equal to
+        cu_seqlens_q_padded. A model that slices CP itself gets its full-row mask as an explicit
+        ``loss_mask`` instead.
     check_loss_mask_layout(input_ids, loss_mask, packed_seq_params=None, cp_size=1, cp_rank=0)
+        The rules on the host, ValueError naming the argument; assert_loss_mask_layout(...) the
+        same without a host read (device asserts).
+    input_aligned_mask(label_mask, cu_seqlens_padded=None): full rows, label- to input-aligned.
+    label_aligned_signature(loss_mask, packed_seq_params, cp_group=None, cp_rank=0) -> int | None
+        Whether every weighted packed sequence is 0 on its last real token (real boundaries known).
+    checks.mode() -> "default" | "full" (``MTP_OVERLAY_CHECKS``): how the hooks check (module doc).
 
 Gradient scale (``scaling``)
     mtp_grad_scale(model_or_config, token_mask, sample_mask, group=None)  (context manager)
@@ -112,11 +123,19 @@ Refit freshness (trainer -> vLLM drafter)::
     check_fresh(expected, received)   # StaleDrafterError naming the tensors
 """
 
+from . import checks
 from .config import MTP_CONFIG_KEYS, apply_mtp_config
 from .layout import (
+    ALIGNMENTS,
+    INPUT,
+    LABEL,
+    assert_loss_mask_layout,
     check_loss_mask_layout,
+    input_aligned_mask,
+    label_aligned_signature,
     loss_mask_scope,
     model_slices_context_parallel,
+    scoped_alignment,
     scoped_loss_mask,
     shard_for_model,
     split_output,
@@ -146,6 +165,9 @@ from .refit import (
 from .scaling import mtp_grad_scale
 
 __all__ = [
+    "ALIGNMENTS",
+    "INPUT",
+    "LABEL",
     "MTP_CONFIG_KEYS",
     "METRICS_PREFIX",
     "PackedBatch",
@@ -153,14 +175,18 @@ __all__ = [
     "TensorDigest",
     "acceptance_gap",
     "apply_mtp_config",
+    "assert_loss_mask_layout",
     "build_mtp_loss_mask",
     "check_fresh",
     "check_loss_mask_layout",
+    "checks",
     "compare_fingerprints",
     "cp_local_indices",
     "cp_shard",
     "fingerprint",
     "global_valid_tokens",
+    "input_aligned_mask",
+    "label_aligned_signature",
     "loss_mask_scope",
     "model_slices_context_parallel",
     "mtp_enabled",
@@ -174,6 +200,7 @@ __all__ = [
     "padding_multiple",
     "record_fingerprints",
     "rollout_mtp_metrics",
+    "scoped_alignment",
     "scoped_loss_mask",
     "shard_for_model",
     "split_output",

@@ -34,14 +34,18 @@ def apply_mtp_config(config: Config, mtp_config: Mapping[str, object]) -> Config
     """Set each key of ``mtp_config`` present in it (of `MTP_CONFIG_KEYS`) on ``config``; return ``config``.
 
     ``config``: a TransformerConfig or a dataclass subclass of it (e.g. a Megatron-Bridge provider).
-    ValueError for an unknown key, or for a field the installed TransformerConfig lacks (then
-    nothing is set).
+    ValueError for an unknown key, a value of the wrong kind (``mtp_num_layers``: None or an int
+    >= 0; ``mtp_loss_scaling_factor``: a finite number >= 0; the others: bools), or a field the
+    installed TransformerConfig lacks; then nothing is set. (A dataclass field takes anything:
+    ``mtp_num_layers="two"`` or ``-1`` would be stored, and MTP would count as off.)
     """
     if not dataclasses.is_dataclass(config) or isinstance(config, type):
         raise TypeError(f"config must be a TransformerConfig instance (a dataclass), got {type(config).__name__}")
     unknown = sorted(set(mtp_config) - set(MTP_CONFIG_KEYS))
     if unknown:
         raise ValueError(f"mtp_config: unknown key(s) {unknown}; expected some of {list(MTP_CONFIG_KEYS)}")
+    for key, value in mtp_config.items():
+        _check_value(key, value)
     fields = {field.name for field in dataclasses.fields(config)}
     for key in mtp_config:  # all checked before any is set: a refused config is left untouched
         if key not in fields:
@@ -52,3 +56,20 @@ def apply_mtp_config(config: Config, mtp_config: Mapping[str, object]) -> Config
     for key, value in mtp_config.items():
         setattr(config, key, value)
     return config
+
+
+def _check_value(key: str, value: object) -> None:
+    """ValueError naming ``mtp_config[key]`` unless ``value`` is of the kind the key takes."""
+    import math
+
+    if key == "mtp_num_layers":
+        expected = "None or an int >= 0 (the number of MTP depths)"
+        ok = value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 0)
+    elif key == "mtp_loss_scaling_factor":
+        expected = "a finite number >= 0"
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
+    else:
+        expected = "True or False"
+        ok = isinstance(value, bool)
+    if not ok:
+        raise ValueError(f"mtp_config[{key!r}] must be {expected}, got {type(value).__name__} {value!r}")

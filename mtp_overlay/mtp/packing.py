@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
+from .checks import device_assert
 from .mask import _shape, check_weights
 
 if TYPE_CHECKING:  # annotations only: torch and megatron load inside the functions
@@ -147,7 +148,11 @@ def cp_local_indices(
     total: int | None = None,
     device: torch.device | None = None,
 ) -> torch.Tensor:
-    """Positions of the packed row that CP rank ``cp_rank`` keeps, in its local order."""
+    """Positions of the packed row that CP rank ``cp_rank`` keeps, in its local order.
+
+    Checked on the host (ValueError naming the argument; the row's length is read from the
+    boundaries): a data-preparation call. The hooks use `slot_geometry`, which reads nothing.
+    """
     import torch
 
     _check_cp(cp_size, cp_rank)
@@ -165,6 +170,119 @@ def cp_local_indices(
     run_sizes = torch.stack([chunk, chunk], 1).reshape(-1)
     run_sources = torch.stack([cu[:-1] + cp_rank * chunk, cu[:-1] + (chunks - 1 - cp_rank) * chunk], 1).reshape(-1)
     return _ramp(run_sizes, run_sources - _cumulative(run_sizes)[:-1])
+
+
+class SlotGeometry(NamedTuple):
+    """Where each slot of a CP-local packed row sits (`slot_geometry`): int64 [local_length] each.
+
+    sequence: the padded sequence holding the slot; position: its place in the whole padded
+    sequence (0 .. padded length - 1), which is what real lengths are compared with.
+    """
+
+    sequence: torch.Tensor
+    position: torch.Tensor
+
+
+def slot_geometry(cu_seqlens_padded: torch.Tensor, local_length: int, cp_size: int = 1, cp_rank: int = 0) -> SlotGeometry:
+    """`SlotGeometry` of a CP-local packed row of ``local_length`` slots, on ``cu_seqlens_padded``'s device.
+
+    ``cu_seqlens_padded``: int64 [n+1] on the row's device, valid for the row (`assert_boundaries`;
+    under CP each padded length a multiple of 2*cp_size, rank r holding chunks r and 2*cp-1-r of each
+    sequence). Static shapes, device work only, no host read, from the boundaries given at each call.
+    One search per slot: what needs a slot's sequence uses it; what needs only which slots a run
+    covers uses `chunk_runs` and `covered` (a cumulative sum, several times cheaper on a long row).
+    """
+    import torch
+
+    cu = cu_seqlens_padded
+    count = cu.numel() - 1
+    slot = torch.arange(local_length, device=cu.device)
+    if count < 1:  # no sequence: every slot (there should be none) is past the end
+        return SlotGeometry(torch.zeros_like(slot), slot)
+    local = cu // cp_size if cp_size > 1 else cu
+    sequence = (torch.searchsorted(local, slot, right=True) - 1).clamp_(0, count - 1)
+    offset = slot - local[sequence]
+    if cp_size == 1:
+        return SlotGeometry(sequence, offset)
+    chunk = ((cu[1:] - cu[:-1]) // (2 * cp_size))[sequence]
+    back = (2 * cp_size - 1 - cp_rank) * chunk + (offset - chunk)
+    return SlotGeometry(sequence, torch.where(offset < chunk, cp_rank * chunk + offset, back))
+
+
+def chunk_runs(
+    cu_seqlens_padded: torch.Tensor, cp_size: int = 1, cp_rank: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The runs of consecutive slots a CP-local packed row is made of: (starts, lengths, offsets),
+    int64 on the boundaries' device, no host read.
+
+    Without CP one run per padded sequence; under CP two, its front chunk (r) and back chunk
+    (2*cp-1-r), interleaved. ``offsets``: each run's first slot's place in its whole padded sequence.
+    ``cu_seqlens_padded``: int64 [n+1], valid for the row (`assert_boundaries`).
+    """
+    import torch
+
+    cu = cu_seqlens_padded
+    lengths = cu[1:] - cu[:-1]
+    if cp_size == 1:
+        return cu[:-1], lengths, torch.zeros_like(lengths)
+    chunk = lengths // (2 * cp_size)
+    front = cu[:-1] // cp_size
+    starts = torch.stack([front, front + chunk], 1).flatten()
+    offsets = torch.stack([cp_rank * chunk, (2 * cp_size - 1 - cp_rank) * chunk], 1).flatten()
+    return starts, torch.stack([chunk, chunk], 1).flatten(), offsets
+
+
+def covered(starts: torch.Tensor, counts: torch.Tensor, length: int) -> torch.Tensor:
+    """Bool [length]: True on the first ``counts[i]`` slots from ``starts[i]`` of runs that do not
+    overlap (a run may be empty, or start at ``length``). One cumulative sum, on the device."""
+    import torch
+
+    steps = torch.zeros(length + 1, dtype=torch.int32, device=starts.device)
+    ones = torch.ones(starts.shape, dtype=torch.int32, device=starts.device)
+    steps.index_add_(0, starts.clamp(max=length), ones)
+    steps.index_add_(0, (starts + counts).clamp(max=length), -ones)
+    return steps.cumsum(0, dtype=torch.int32)[:length] > 0
+
+
+def boundary_tensor(cu: torch.Tensor | Sequence[int], name: str, device: torch.device | None = None) -> torch.Tensor:
+    """``cu`` as an int64 [n+1] tensor on ``device``, refused on what needs no host read (its dtype
+    and shape): ValueError naming ``name``. No value is read (`assert_boundaries` checks them)."""
+    import torch
+
+    if isinstance(cu, torch.Tensor):
+        if cu.is_floating_point() or cu.is_complex() or cu.dtype == torch.bool:
+            raise ValueError(f"{name} must hold integers, got dtype {cu.dtype}")
+        cu = cu.detach().to(torch.int64)
+        if device is not None and cu.device != torch.device(device):  # only a move is a copy (to the host: a sync)
+            cu = cu.to(device)
+    else:
+        cu = torch.as_tensor(cu, dtype=torch.int64, device=device)
+    if cu.dim() != 1 or cu.numel() < 1:
+        raise ValueError(f"{name} must be 1-D [n+1] (0, then each packed sequence's end), got shape {list(cu.shape)}")
+    return cu
+
+
+def assert_boundaries(
+    cu: torch.Tensor, local_length: int, cp_size: int, name: str, real: torch.Tensor | None = None,
+    real_name: str = "cu_seqlens_q",
+) -> None:
+    """Queue the device-side checks (`mtp_overlay.mtp.checks.device_assert`, no host read) that ``cu`` (int64 [n+1],
+    the padded boundaries) lays out a CP-local row of ``local_length`` slots: starts at 0, never
+    decreases, each length a multiple of 2*cp_size under CP, ends at local_length * cp_size; and,
+    given ``real`` (int64, same shape), that it starts at 0, never decreases and fits in ``cu``."""
+    lengths = cu[1:] - cu[:-1]
+    valid = (cu[0] == 0) & (lengths >= 0).all() & (cu[-1] == local_length * cp_size)
+    if cp_size > 1:
+        valid &= (lengths % (2 * cp_size) == 0).all()
+    rule = f", each length a multiple of 2*cp_size={2 * cp_size}" if cp_size > 1 else ""
+    device_assert(valid, (
+        f"{name} must start at 0, never decrease{rule} and end at {local_length * cp_size} (the row's "
+        f"{local_length} slots x cp_size {cp_size})"))
+    if real is not None:
+        real_lengths = real[1:] - real[:-1]
+        fits = (real[0] == 0) & (real_lengths >= 0).all() & (real_lengths <= lengths).all()
+        device_assert(fits, f"{real_name} must start at 0, never decrease and fit in {name} (each real "
+                                   "length at most its padded one)")
 
 
 def packed_seq_params(packed: PackedBatch, real_lengths: bool = False) -> PackedSeqParams:

@@ -95,6 +95,16 @@ Usage (``fn`` must be a module-level function, its arguments and return value pi
   models included (``parity_table`` / ``markdown``: ``scripts/parity.py``), and the
   composition cases of the real path (``composition_cases``, ``expected_outcome``: which fixes a path
   needs; ``scripts/parity.py --compose``).
+* ``syncs``: ``SyncCounter`` (``with SyncCounter() as counted: ...``) counts every data-dependent
+  host read of a block (``bool(t)``, ``.item()``, ``.tolist()``, ``.nonzero()``, ``torch.equal``,
+  boolean indexing, ``.cpu()``, ``torch.cuda.synchronize``, ...: a device sync each on a GPU) by who
+  made it, the overlay's product code apart from megatron, the test bed and the rest
+  (``counted.overlay``, ``by_origin()``, ``summary()``); ``MegatronStep.schedule_scope = lambda:
+  counted`` counts the forward+backward alone; ``checks_mode("full")`` sets ``MTP_OVERLAY_CHECKS``
+  for a block.
+* ``hot_path``: the host reads of Megatron's step on the packed THD path with every fix installed,
+  per layout and step (``run(layout)``: first, warm, BSHD, full checks, stock;
+  ``scripts/hot_path_syncs.py`` prints them).
 * ``verify``: the engine of ``mtp-overlay verify`` (the same steps as ``parity``, ``parity.run_step``),
   on a user's shrunk config built by Bridge's provider: per case the (sequence, position, target)
   pairs each MTP depth trained and the errors against each sequence alone; the product

@@ -556,8 +556,6 @@ def _exact_attention(
     import torch
     from megatron.core.transformer.enums import AttnMaskType
 
-    from ..mtp.packing import cp_local_indices
-
     if attention_mask is not None or attention_bias is not None:
         raise NotImplementedError("CPU attention shim: attention_mask and attention_bias must be None (causal only)")
     if (attn_mask_type or self.attn_mask_type) not in (AttnMaskType.causal, AttnMaskType.padding_causal):
@@ -587,8 +585,8 @@ def _exact_attention(
     if repeat > 1:
         key, value = key.repeat_interleave(repeat, dim=2), value.repeat_interleave(repeat, dim=2)
 
-    query_index = cp_local_indices(boundaries, size, rank)  # positions in the full packed row
-    key_index = torch.cat([cp_local_indices(boundaries, size, r) for r in range(size)])
+    query_index = _row_positions(boundaries, query.size(0), size, rank)  # positions in the full packed row
+    key_index = torch.cat([_row_positions(boundaries, query.size(0), size, r) for r in range(size)])
     query_sequence = torch.searchsorted(boundaries, query_index, right=True)
     key_sequence = torch.searchsorted(boundaries, key_index, right=True)
     allowed = (key_sequence[None, :] == query_sequence[:, None]) & (key_index[None, :] <= query_index[:, None])
@@ -601,6 +599,16 @@ def _exact_attention(
     if thd:  # TE's THD output: [t, heads * dim]
         return context.reshape(query.size(0), self.hidden_size_per_partition)
     return context.reshape(query.size(0), query.size(1), self.hidden_size_per_partition)
+
+
+def _row_positions(boundaries, local_length, cp_size, cp_rank):
+    """Full-row positions of CP rank ``cp_rank``'s ``local_length`` slots (the 2*cp-chunk layout of
+    ``mtp_overlay.mtp.cp_local_indices``), computed on the device without a host read, as TE's
+    kernels do: the test bed's own checks stay its own in a sync count (`syncs`)."""
+    from ..mtp.packing import slot_geometry
+
+    geometry = slot_geometry(boundaries, local_length, cp_size, cp_rank)
+    return boundaries[geometry.sequence] + geometry.position
 
 
 def _self_attention_boundaries(packed_seq_params):
@@ -727,9 +735,12 @@ def thd_get_partitioned_indices(cu_seqlens, total_tokens, cp_size, cp_rank):
     and 2*cp-1-r of each padded sequence (``cu_seqlens``, each length a multiple of 2*cp), in that
     order: the layout the test bed's CP sharding uses (``mtp_overlay.mtp.cp_local_indices``).
     """
-    from ..mtp.packing import cp_local_indices
+    import torch
 
-    return cp_local_indices(cu_seqlens, cp_size, cp_rank, total=total_tokens)
+    if total_tokens % cp_size:
+        raise ValueError(f"total_tokens={total_tokens} is not a multiple of cp_size={cp_size}")
+    cu = torch.as_tensor(cu_seqlens).to(torch.int64)
+    return _row_positions(cu, total_tokens // cp_size, cp_size, cp_rank)
 
 
 def mamba_split_conv1d_scan_combined(

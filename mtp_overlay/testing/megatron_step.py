@@ -138,7 +138,10 @@ class MegatronStep:
     module docstring) (its config's ``calculate_per_token_loss`` is fixed from here on: DDP derives
     its gradient scaling from it). ``optimizer``: "megatron" (megatron-core's
     Adam through ``get_megatron_optimizer``) or None (gradients only). ``ddp_config``: a
-    ``DistributedDataParallelConfig`` (default: megatron-core's defaults).
+    ``DistributedDataParallelConfig`` (default: megatron-core's defaults). ``schedule_scope``: a
+    callable returning a context manager that each step's forward+backward (the schedule call,
+    nothing before or after it) runs in: ``lambda: counter`` counts its host reads
+    (`mtp_overlay.testing.syncs.SyncCounter`).
     """
 
     def __init__(self, model, *, optimizer="megatron", lr=1e-3, ddp_config=None):
@@ -154,6 +157,7 @@ class MegatronStep:
         self.model = DistributedDataParallel(self.config, ddp_config or DistributedDataParallelConfig(), model)
         self.language_model = _language_model(self.model)
         self.config.finalize_model_grads_func = finalize_model_grads
+        self.schedule_scope = contextlib.nullcontext
         self.optimizer = None
         if optimizer == "megatron":
             from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -320,15 +324,16 @@ class MegatronStep:
             self.optimizer.zero_grad()
         MTPLossLoggingHelper.tracker.clear()  # fresh, sized by this model's MTP depth on first use
         moe.fresh_moe_tracker()  # likewise, by this model's layers
-        reports = get_forward_backward_func()(
-            forward_step_func=forward_step_func,
-            data_iterator=data_iterator,
-            model=[self.model],
-            num_microbatches=num_microbatches,
-            seq_length=seq_length,
-            micro_batch_size=micro_batch_size,
-            forward_only=False,
-        )
+        with self.schedule_scope():
+            reports = get_forward_backward_func()(
+                forward_step_func=forward_step_func,
+                data_iterator=data_iterator,
+                model=[self.model],
+                num_microbatches=num_microbatches,
+                seq_length=seq_length,
+                micro_batch_size=micro_batch_size,
+                forward_only=False,
+            )
         if failures is not None:
             failures.raise_first()
         lm_totals = torch.zeros(2, dtype=torch.float64, device=device)  # the last stage's reports

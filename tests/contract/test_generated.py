@@ -98,7 +98,7 @@ def test_an_edited_declaration_makes_the_check_fail_and_the_generator_cures_it(t
     assert '"ray._private.worker"' in (copy / "mtp_overlay" / "table.py").read_text()
 
     mask = fixes / "mtp_loss_mask" / "declaration.py"
-    mask.write_text(mask.read_text().replace('reads=("mtp-packed-roll",)', 'reads=("mtp-packed-rol",)'))
+    mask.write_text(mask.read_text().replace('reads=("mtp-packed-roll", ', 'reads=("mtp-packed-rol", '))
     refused = run_in(copy, *check)
     assert refused.returncode == 2
     assert "fix 'mtp-loss-mask': reads names unknown fix(es) ['mtp-packed-rol']" in refused.stderr

@@ -158,11 +158,14 @@ def test_layout_check_finds_exactly_the_padding_slots_of_every_cp_shard(batch, c
     assert torch.equal(padding, shard[0] == 0)
     local_mask = mtp.cp_shard(packed.loss_mask, cp_size, cp_rank, packed.cu_seqlens_padded)
     mtp.check_loss_mask_layout(shard, local_mask, params, cp_size, cp_rank)
+    mtp.assert_loss_mask_layout(shard, local_mask, params, cp_size, cp_rank)  # the hook's device-side twin agrees
     if bool(padding.any()):
         stray = local_mask.clone()
         stray[0, int(padding.nonzero()[data.draw(st.integers(0, int(padding.sum()) - 1)), 0])] = 1
         with pytest.raises(ValueError, match="padding slot"):
             mtp.check_loss_mask_layout(shard, stray, params, cp_size, cp_rank)
+        with pytest.raises(RuntimeError, match="mtp-overlay: loss_mask is nonzero in a padding slot"):
+            mtp.assert_loss_mask_layout(shard, stray, params, cp_size, cp_rank)
 
 
 @pytest.fixture(scope="module")

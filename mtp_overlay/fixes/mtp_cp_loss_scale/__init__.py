@@ -21,14 +21,17 @@ does, and leaves everything else to upstream's own code:
   is multiplied by CP, so the tracker's average over DP x CP gives the whole sequence's mean.
 
 CP = 1, evaluation (no grad or not training) and a call without ``cp_group`` pass through untouched.
-The main LM loss, the MoE aux loss and the schedule's scales are not touched.
+The main LM loss, the MoE aux loss and the schedule's scales are not touched. No host read: the
+counts stay on the device. Before its first all-reduce on a CP group it checks that every rank of
+the group runs it (`mtp_overlay.fixes.peers`): a rank without it would leave the all-reduce
+unmatched (a gloo abort at depth 1, a hang at depth 2).
 """
 
 import contextvars
 
 from ...calls import argument, original, positions, with_argument
 from ...contract import Marker, Verdict, drifted, needed, redundant
-from .. import Fix
+from .. import Fix, peers
 from .declaration import DECLARATION
 
 TYPE_CHECKING = False
@@ -165,6 +168,7 @@ class CPLossScaleFix(Fix):
     def wrappers(self, module: "ModuleType") -> "Iterator[tuple[object, str, Callable[..., Any]]]":
         import torch
 
+        peers.forget()  # installed (again): its groups agree afresh
         stock = stock_process_mtp_loss(module)
         assert stock is not None, "probed first"
         at = positions(stock)
@@ -179,6 +183,7 @@ class CPLossScaleFix(Fix):
             if (_counts.get() is not None or group is None or group.size() == 1 or source is None
                     or not read("is_training", False) or not torch.is_grad_enabled()):
                 return wrapped(*args, **kwargs)
+            peers.agree(FIX, group)
             mask = read("loss_mask")
             if mask is None:  # upstream's own default: ones shaped like the (derived) labels
                 mask = torch.ones_like(source)

@@ -26,4 +26,6 @@ DECLARATION = Declaration(
     # both wrap roll_tensor: this fix's wrapper must sit outside mtp-packed-roll's, whose unpacked-CP
     # roll never calls the function it wraps
     after=("mtp-packed-roll",),
+    # its CP all-reduce must run on every rank of the group, as must theirs (fixes/peers.py)
+    reads=("mtp-loss-mask", "mtp-packed-roll"),
 )

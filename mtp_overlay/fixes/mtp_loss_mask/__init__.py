@@ -8,18 +8,28 @@ the ``input_ids``.
 
 The hook on ``GPTModel.forward`` and ``HybridModel.forward``:
 - a mask scoped by the trainer (``mtp_overlay.mtp.loss_mask_scope``) reaches the model as
-  ``loss_mask`` when the caller passes none (MTP models, ``labels=None`` only);
-- every ``loss_mask`` reaching the model is checked against the tokens' layout (same shape as
-  ``input_ids``; packed input: zeros in every padding slot; and, unless mtp-packed-roll makes
-  megatron-core roll packed MTP tensors on the padded layout, ``cu_seqlens_q`` must equal
-  ``cu_seqlens_q_padded``),
-  raising ValueError instead of failing deep inside Megatron or training on shifted positions.
+  ``loss_mask`` when the caller passes none (MTP models; with ``labels`` only a mask scoped as
+  ``aligned="label"``); a mask said to be label-aligned is shifted into the input-aligned mask an
+  RL forward takes (CP=1; under CP the full rows are converted first, `mtp.input_aligned_mask`);
+- every ``loss_mask`` reaching the model is checked against the tokens' layout (same shape and
+  device as ``input_ids``, finite weights >= 0; packed input: zeros in every padding slot), on the
+  device by default (no host read: `mtp_overlay.mtp.checks`), on the host with ValueErrors under
+  ``MTP_OVERLAY_CHECKS=full``;
+- a packed MTP forward whose ``cu_seqlens_q`` differs from ``cu_seqlens_q_padded`` is refused,
+  mask or none, unless mtp-packed-roll (or upstream) rolls on the padded layout: stock rolls the MTP
+  labels by ``cu_seqlens_q`` alone. A host read, made only while mtp-packed-roll is not active;
+- the first packed RL forward whose mask's alignment is not said is checked for the label-aligned
+  off-by-one (`mtp.label_aligned_signature`; every such forward under ``MTP_OVERLAY_CHECKS=full``):
+  one host read (and under CP one all-reduce), once per process and install;
+- under CP, before any of that, every rank of the CP group must run the same collective fixes
+  (`mtp_overlay.fixes.peers`, once per group).
+Raising ValueError instead of failing deep inside Megatron or training on shifted positions.
 """
 
 from ...calls import argument, original, positions, with_argument
 from ...contract import Verdict, defined_in, drifted, needed
 from ...mtp.config import FIRST_RELEASE
-from .. import Fix
+from .. import Fix, peers
 from .declaration import DECLARATION
 
 TYPE_CHECKING = False
@@ -85,6 +95,9 @@ class LossMaskFix(Fix):
         from ... import mtp
         from ..mtp_multimodal.scope import inject  # fix mtp-multimodal's combined inputs: this same wrapper
 
+        global _alignment_checked
+        peers.forget()  # installed (again): its groups agree afresh, its first RL forward is checked
+        _alignment_checked = False
         cls, forward = _forward(module)
         assert forward is not None, "probed first"
         at = positions(forward, method=True)  # self is bound by wrapt
@@ -95,49 +108,108 @@ class LossMaskFix(Fix):
         def forward_with_loss_mask(wrapped: "Callable[..., Any]", instance: "Any", args: "tuple[Any, ...]",
                                    kwargs: "dict[str, Any]") -> "Any":
             args, kwargs = inject(instance, args, kwargs, at)  # a multimodal forward's combined ids and mask
-            loss_mask, scoped = read(args, kwargs, "loss_mask"), mtp.scoped_loss_mask()
+            loss_mask, scoped, aligned = read(args, kwargs, "loss_mask"), mtp.scoped_loss_mask(), mtp.scoped_alignment()
             mtp_on = mtp.mtp_enabled(instance)
+            rl = read(args, kwargs, "labels") is None
             if loss_mask is None and scoped is not None and mtp_on:
-                if read(args, kwargs, "labels") is not None:
+                if not rl and aligned != mtp.LABEL:
                     raise ValueError(
                         "loss_mask_scope holds an unshifted (input_ids-aligned) MTP mask, but this call passes "
                         "labels: with labels megatron-core expects a label-aligned loss_mask; pass loss_mask "
-                        "explicitly or call without labels"
+                        "explicitly, scope a label-aligned one with aligned='label', or call without labels"
                     )
                 loss_mask = scoped
                 args, kwargs = with_argument(args, kwargs, at.get("loss_mask"), "loss_mask", scoped)
+            packed = read(args, kwargs, "packed_seq_params")
+            group = _cp_group(instance)
+            cp_size, cp_rank = (1, 0) if group is None else (group.size(), group.rank())
+            if mtp_on and cp_size > 1:
+                peers.agree(FIX, group)
+            if loss_mask is not None and mtp_on and rl and aligned == mtp.LABEL:
+                loss_mask = _input_aligned(loss_mask, packed, cp_size)
+                args, kwargs = with_argument(args, kwargs, at.get("loss_mask"), "loss_mask", loss_mask)
             input_ids = read(args, kwargs, "input_ids")
             if loss_mask is not None and input_ids is not None:
-                packed = read(args, kwargs, "packed_seq_params")
-                cp_size, cp_rank = _cp_size_rank(instance)
-                mtp.check_loss_mask_layout(input_ids, loss_mask, packed, cp_size, cp_rank)
-                if packed is not None and mtp_on:
-                    _check_roll_boundaries(packed)
+                check = mtp.check_loss_mask_layout if mtp.checks.full() else mtp.assert_loss_mask_layout
+                check(input_ids, loss_mask, packed, cp_size, cp_rank)
+            if packed is not None and mtp_on:
+                _check_roll_boundaries(packed)
+                if rl and loss_mask is not None and aligned is None:
+                    _check_alignment(loss_mask, packed, group, cp_rank)
             return wrapped(*args, **kwargs)
 
         yield cls, "forward", forward_with_loss_mask
 
 
-def _cp_size_rank(model: "Any") -> "tuple[int, int]":
+_alignment_checked = False  # whether the first packed RL forward's mask was checked for its alignment
+
+
+def _cp_group(model: "Any") -> "Any":
+    """The model's CP group, or None without one (or with one of a single rank)."""
     group = getattr(getattr(model, "pg_collection", None), "cp", None)
-    if group is None:
-        return 1, 0
-    return group.size(), group.rank()
+    return None if group is None or group.size() == 1 else group
+
+
+def _input_aligned(loss_mask: "Any", packed: "Any", cp_size: int) -> "Any":
+    """A mask scoped as label-aligned, as the input-aligned mask an RL forward takes."""
+    from ... import mtp
+
+    if cp_size > 1:
+        raise ValueError(
+            "loss_mask_scope(aligned='label') in an RL forward (labels=None) under context parallelism: a "
+            "CP-local label-aligned mask cannot be shifted here (its neighbours live on other ranks); convert "
+            "the full rows before sharding, mtp_overlay.mtp.input_aligned_mask(mask, cu_seqlens_padded), and "
+            "scope that with aligned='input'"
+        )
+    padded = None
+    if packed is not None:
+        padded = packed.cu_seqlens_q_padded if packed.cu_seqlens_q_padded is not None else packed.cu_seqlens_q
+    return mtp.input_aligned_mask(loss_mask, padded)
+
+
+def _check_alignment(loss_mask: "Any", packed: "Any", group: "Any", cp_rank: int) -> None:
+    """Refuse the label-aligned off-by-one in an RL forward whose mask's alignment is not said: on
+    the first packed one (every one under ``MTP_OVERLAY_CHECKS=full``)."""
+    global _alignment_checked
+    from ... import mtp
+
+    if _alignment_checked and not mtp.checks.full():
+        return
+    _alignment_checked = True
+    sequences = mtp.label_aligned_signature(loss_mask, packed, group, cp_rank)
+    if sequences is not None:
+        raise ValueError(
+            f"loss_mask looks label-aligned: each of the {sequences} weighted packed sequence(s) is 0 on its last "
+            "real token, the signature of the LM loss's mask (label i = token i + 1, NeMo-RL's token_mask[:, 1:]). "
+            "An RL forward (labels=None) takes the input-aligned mask (megatron-core rolls it with the labels "
+            "it derives from input_ids): this one would train every MTP target one token early. Pass the "
+            "unshifted token mask; or scope this one with loss_mask_scope(mask, aligned='label') (CP=1) or "
+            "convert the full rows with mtp_overlay.mtp.input_aligned_mask; or, if the mask is input-aligned "
+            "and every response is followed by masked tokens, say so: loss_mask_scope(..., aligned='input')"
+        )
 
 
 def _check_roll_boundaries(packed: "Any") -> None:
     """Refuse real boundaries apart from the padded ones unless the MTP roll uses the padded ones
     (fix mtp-packed-roll installed, or upstream rolling on them): stock megatron-core 0.19 rolls the
-    MTP labels and loss_mask by ``cu_seqlens_q`` alone (Megatron-LM #4494/#6205)."""
+    MTP labels and loss_mask by ``cu_seqlens_q`` alone (Megatron-LM #4494/#6205), so every sequence
+    after the first would train shifted targets, with a mask or without one.
+
+    With mtp-packed-roll active nothing is read. Without it the boundaries are compared on the host
+    (one device sync per packed MTP forward): the price of a clear refusal that names the fix to
+    enable, in a setup that left the default (every fix installed); a device-side assert would say
+    nothing on CUDA.
+    """
     import torch
 
     from ...contract import State
 
-    real, padded = packed.cu_seqlens_q, packed.cu_seqlens_q_padded
-    if padded is None or torch.equal(torch.as_tensor(real).long(), torch.as_tensor(padded).long()):
-        return
     state, reason = FIX.peer_state(PACKED_ROLL)
-    if state in (State.INSTALLED, State.REDUNDANT):
+    real, padded = packed.cu_seqlens_q, packed.cu_seqlens_q_padded
+    if state in (State.INSTALLED, State.REDUNDANT) or padded is None:
+        return
+    real_cu = torch.as_tensor(real).long()
+    if torch.equal(real_cu, torch.as_tensor(padded, device=real_cu.device).long()):
         return
     raise ValueError(
         f"packed_seq_params.cu_seqlens_q {real.tolist()[:16]} differs from cu_seqlens_q_padded "

@@ -16,5 +16,6 @@ DECLARATION = Declaration(
         upstream_fix="none: the trainer must pass the mask in the tokens' exact layout (NeMo-RL PR #3494)",
     ),
     # unpadded packed boundaries are fine only where mtp-packed-roll makes the roll use the padded ones
-    reads=("mtp-packed-roll",),
+    # and every rank of a CP group must run the same collective fixes (fixes/peers.py)
+    reads=("mtp-packed-roll", "mtp-cp-loss-scale"),
 )

@@ -12,12 +12,16 @@ shifted targets); without CP the roll wraps inside padding. Its per-sequence exc
 The hook replaces both rolls with `roll.roll_packed`: one vectorised roll on the padded boundaries,
 each sequence's last real token and its padding zeroed (#7278), one all-gather over the CP group per
 roll. It returns what stock returns: the rolled tensor and its local sum (``process_mtp_loss`` divides
-each depth's MTP loss by that count).
+each depth's MTP loss by that count). Where the slots go is computed at every call on the device from
+the boundaries given (no host read, no cache: ``torch.inference_mode`` and boundary buffers rewritten
+in place by a collective or through numpy are rolled right); the boundaries are checked on the device
+(`mtp_overlay.mtp.checks`, ``MTP_OVERLAY_CHECKS=full`` on the host). Before its first all-gather on a
+CP group it checks that every rank of the group runs it (`mtp_overlay.fixes.peers`).
 """
 
 from ...calls import argument, original, positions
 from ...contract import Verdict, drifted, needed, redundant
-from .. import Fix
+from .. import Fix, peers
 from .declaration import DECLARATION
 
 TYPE_CHECKING = False
@@ -64,6 +68,7 @@ class PackedRollFix(Fix):
         return needed(f"megatron-core {family} shape: the packed roll reads cu_seqlens_q")
 
     def wrappers(self, module: "ModuleType") -> "Iterator[tuple[object, str, Callable[..., Any]]]":
+        peers.forget()  # installed (again): its groups agree afresh
         stock = stock_rolls(module)
         assert stock[0] is not None and stock[1] is not None, "probed first"
         roll, packed = _Arguments(stock[0]), _Arguments(stock[1])
@@ -95,28 +100,23 @@ def roll_packed_seq_params(tensor: "Any", packed_seq_params: "Any", cp_group: "A
     """``tensor`` (a CP-local packed row, [..., T]) rolled left by one as megatron-core's packed MTP
     roll should: on ``cu_seqlens_q_padded`` (else ``cu_seqlens_q``), zero from each sequence's last
     real token on, one all-gather over ``cp_group``. ValueError naming the bad boundary argument."""
-    import torch
-
-    from .roll import plan_for, roll_packed
+    from .roll import roll_packed
 
     real = getattr(packed_seq_params, "cu_seqlens_q", None)
     if real is None:
         raise ValueError(
             "packed_seq_params.cu_seqlens_q is None: the packed MTP roll needs the real sequence boundaries"
         )
-    cp_size = _size(cp_group)
-    cp_rank = torch.distributed.get_rank(group=cp_group) if cp_size > 1 else 0
-    padded = getattr(packed_seq_params, PADDED, None)
-    plan = plan_for(real, padded, tensor.shape[-1], cp_size, cp_rank, tensor.device)
-    return roll_packed(tensor, plan, cp_group)
+    cp_size, cp_rank = _size_rank(cp_group)
+    if cp_size > 1:
+        peers.agree(FIX, cp_group)
+    return roll_packed(tensor, real, getattr(packed_seq_params, PADDED, None), cp_group, cp_size, cp_rank)
 
 
 def roll_unpacked_cp(tensor: "Any", cp_group: "Any") -> "Any":
     """Unpacked rows under CP (each row one sequence in the 2*cp-chunk layout): stock's values, but
     one all-gather over ``cp_group`` instead of world-group send/recv (Megatron-LM #6746)."""
-    import torch
-
-    from .roll import plan_for, roll_packed
+    from .roll import roll_unpacked_cp as roll
 
     length = tensor.shape[-1]
     if length % 2:
@@ -124,9 +124,8 @@ def roll_unpacked_cp(tensor: "Any", cp_group: "Any") -> "Any":
             f"tensor: a CP-local sequence holds two chunks, so its length must be even, got {length} "
             f"(shape {list(tensor.shape)})"
         )
-    cp_size, cp_rank = _size(cp_group), torch.distributed.get_rank(group=cp_group)
-    whole = (0, length * cp_size)
-    return roll_packed(tensor, plan_for(whole, whole, length, cp_size, cp_rank, tensor.device), cp_group)
+    peers.agree(FIX, cp_group)
+    return roll(tensor, cp_group, *_size_rank(cp_group))
 
 
 def _parameters(function: "Callable[..., Any]") -> "tuple[str, ...]":
@@ -156,6 +155,11 @@ def _left_shift_on_last_dim(tensor: "Any", read: _Arguments, args: "tuple[Any, .
 
 def _size(group: "Any") -> int:
     return 1 if group is None else group.size()
+
+
+def _size_rank(group: "Any") -> "tuple[int, int]":
+    size = _size(group)
+    return (size, group.rank()) if size > 1 else (1, 0)
 
 
 FIX = PackedRollFix()

@@ -25,4 +25,6 @@ DECLARATION = Declaration(
     ),
     # dev's roll reaches the padded boundaries through a helper (_get_packed_roll_cu_seqlens)
     marker=Marker(MTP, "roll_tensor", "cu_seqlens_q_padded"),
+    # its CP all-gather must run on every rank of the group, as must theirs (fixes/peers.py)
+    reads=("mtp-loss-mask", "mtp-cp-loss-scale"),
 )

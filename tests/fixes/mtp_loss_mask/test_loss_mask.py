@@ -14,6 +14,7 @@ from pins import MEGATRON_CORE
 
 from mtp_overlay.testing.launcher import run_ranks_checked
 from mtp_overlay.testing.releases import copy_installed, release_site, run_with_release
+from mtp_overlay.testing.syncs import checks_mode
 
 FIX = "mtp-loss-mask"
 BATCH, SEQ = 4, 32
@@ -71,7 +72,9 @@ def tp1_worker():
     with mtp.loss_mask_scope(mask[:, :-2]):  # a wrong mask reaches only MTP models
         errors["scope_on_mtp_model"] = error_of(lambda: model(ids, positions, None))
         errors["scope_on_plain_model"] = error_of(lambda: build_tiny_gpt(mtp_num_layers=0, **MODEL)(ids, positions, None))
-    errors.update(packed_errors(model, ids, mask))
+    with checks_mode("full"):
+        errors.update(packed_errors(model, ids, mask))
+    errors.update({f"{k}_default": v for k, v in packed_errors(model, ids, mask).items()})
 
     mtp_overlay.uninstall(only=[FIX])
     try:
@@ -269,6 +272,10 @@ def test_a_mask_out_of_the_tokens_layout_is_a_clear_value_error(tp1):
     assert errors["packed_te_boundaries"].startswith("ValueError: packed_seq_params.cu_seqlens_q [0, 28, 60, 80, 110]")
     for key in ("packed_shifted", "packed_te_boundaries"):
         assert errors[f"{key}_fix_off"] is None  # stock runs the packed forward and trains the shifted positions
+    # the default mode refuses the shifted mask on the device (no host read), the boundaries on the host
+    assert errors["packed_shifted_default"].startswith("RuntimeError: mtp-overlay: loss_mask is nonzero in a padding slot")
+    assert "MTP_OVERLAY_CHECKS=full" in errors["packed_shifted_default"]
+    assert errors["packed_te_boundaries_default"] == errors["packed_te_boundaries"]
 
 
 @pytest.mark.slow

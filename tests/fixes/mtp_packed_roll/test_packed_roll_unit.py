@@ -19,6 +19,7 @@ from mtp_overlay import registry
 from mtp_overlay.testing import packed_reference as ref
 from mtp_overlay.testing.launcher import run_ranks_checked
 from mtp_overlay.testing.reproducers import mtp_packed_roll as reproducer
+from mtp_overlay.testing.syncs import checks_mode
 
 FIX = "mtp-packed-roll"
 DTYPES = {"int64": torch.int64, "float32": torch.float32, "bool": torch.bool}
@@ -136,16 +137,26 @@ def test_7278_semantics_last_real_token_and_padding_are_masked(mtp_module):
 
 
 @pytest.mark.parametrize(
-    ("real", "padded", "length", "message"),
+    ("real", "padded", "length", "message", "on_device"),
     [
-        ([3, 5], [4], 12, r"cu_seqlens_q_padded has 2 entries, shorter than cu_seqlens_q \(3\)"),
-        ([3, 5], [4, 4], 8, r"cu_seqlens_q_padded is inconsistent with cu_seqlens_q: sequence 1 has 5 real tokens but a padded slot of 4"),
-        ([3, 5], [4, 8], 10, r"tensor to roll has 10 slots on this CP rank.*cu_seqlens_q_padded .* ends at 12"),
+        ([3, 5], [4], 12, r"cu_seqlens_q_padded has 2 entries, shorter than cu_seqlens_q \(3\)", False),
+        ([3, 5], [4, 4], 8, r"cu_seqlens_q_padded is inconsistent with cu_seqlens_q: sequence 1 has 5 real tokens but a padded slot of 4", True),
+        ([3, 5], [4, 8], 10, r"tensor to roll has 10 slots on this CP rank.*cu_seqlens_q_padded .* ends at 12", True),
     ],
 )
-def test_bad_boundaries_are_refused_naming_the_argument(real, padded, length, message, mtp_module):
-    with pytest.raises(ValueError, match=message):
-        mtp_module.roll_tensor(torch.ones(1, length), -1, -1, None, ref.packed_params(real, padded))
+def test_bad_boundaries_are_refused_naming_the_argument(real, padded, length, message, on_device, mtp_module):
+    def roll():
+        return mtp_module.roll_tensor(torch.ones(1, length), -1, -1, None, ref.packed_params(real, padded))
+
+    with checks_mode("full"), pytest.raises(ValueError, match=message):
+        roll()
+    if not on_device:  # a shape: refused on the host in every mode
+        with pytest.raises(ValueError, match=message):
+            roll()
+        return
+    # the default mode refuses values on the device (MTP_OVERLAY_CHECKS=full names the detail)
+    with pytest.raises(RuntimeError, match=r"mtp-overlay: packed_seq_params\.cu_seqlens_q(_padded)? must .*MTP_OVERLAY_CHECKS=full"):
+        roll()
 
 
 def test_non_integer_boundaries_are_refused(mtp_module):
@@ -268,10 +279,16 @@ def stock_breaks_under_cp2():
         for name, original in originals.items():
             setattr(dist, name, original)
 
-    try:  # 6 and 6 is a multiple of 2, not of 2*cp_size = 4
-        mtp.roll_tensor(torch.ones(1, 6), -1, -1, group, ref.packed_params([5, 6], [6, 6]))
-    except ValueError as exc:
-        out["uneven"] = str(exc)
+    uneven = ref.packed_params([5, 6], [6, 6])  # 6 and 6 is a multiple of 2, not of 2*cp_size = 4
+    with checks_mode("full"):
+        try:
+            mtp.roll_tensor(torch.ones(1, 6), -1, -1, group, uneven)
+        except ValueError as exc:
+            out["uneven"] = str(exc)
+    try:  # the default mode: the same refusal, asserted on the device
+        mtp.roll_tensor(torch.ones(1, 6), -1, -1, group, uneven)
+    except RuntimeError as exc:
+        out["uneven_default"] = str(exc)
 
     row = torch.tensor([list(range(1, 13))])  # stock last: it leaves the pairs of ranks out of step
     try:
@@ -290,6 +307,8 @@ def test_cp2_stock_breaks_or_is_silently_wrong_and_the_fix_is_exact(cp2_run):
         assert out["5,7->8"]["fixed_groups"] == [("all_gather_single", True)]
         assert out["5,7->8"]["stock_groups"] == [("irecv", False), ("isend", False)]
         assert re.search(r"cu_seqlens_q_padded: padded sequence 0 has length 6, not divisible by 2\*cp_size=4", out["uneven"])
+        assert re.search(r"cu_seqlens_q_padded must .* each length a multiple of 2\*cp_size=4 .*MTP_OVERLAY_CHECKS=full",
+                         out["uneven_default"])
         assert re.search(r"IndexError|Received data size|size doesn't match|Connection closed|Connection reset", out["stock_small"]), out
     assert sum(out["5,7->8"]["stock_wrong"] for out in ranks) > 0  # ran without error, wrong targets
 
