@@ -1250,7 +1250,7 @@ CLIP_WHY = {
 def bridge_vl_clip_vision(substituted):
     """Inside the block, the Nemotron VL / Omni providers' ``LLaVAModel(...)`` gets a CLIP ViT for RADIO.
 
-    Megatron-Bridge 0.6.2 builds the vision tower of Nemotron VL and Omni as RADIO ViT-H
+    Megatron-Bridge 0.6 builds the vision tower of Nemotron VL and Omni as RADIO ViT-H
     (``nemotron_omni_provider.py:333-372``, ``nemotron_vl_provider.py:327-354``: 32 layers, hidden 1280,
     512 x 512 dynamic-resolution images, pixel shuffle). RADIO takes images only as packed
     dynamic-resolution rows through non-causal THD attention (``llava_model.py:1081-1100``), which the

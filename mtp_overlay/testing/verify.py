@@ -80,7 +80,7 @@ def multimodal_hf_config(values):
     return config
 
 
-# llm_config keys Megatron-Bridge 0.6.2's NemotronH bridge maps (nemotronh/nemotron_h_bridge.py:233-246,
+# llm_config keys Megatron-Bridge 0.6's NemotronH bridge maps (nemotronh/nemotron_h_bridge.py:233-246,
 # 300-303) and its Nemotron VL / Omni bridges do not (nemotron_vl_bridge.py:42-45, nemotron_omni_bridge.py:
 # 60-71): HF key -> provider field. Without the MTP pattern the HybridModel builds no MTP block at all
 # (megatron-core models/hybrid/hybrid_model.py:215-228) though mtp_num_layers says otherwise.
