@@ -32,123 +32,22 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from moe_router_cases import FIX, VARIANTS, aux_step, two_backbone_moe
 
-from mtp_overlay.testing import parity
 from mtp_overlay.testing.bridge import BRIDGE_MISSING, bridge_installed
 from mtp_overlay.testing.launcher import run_ranks_checked
 from mtp_overlay.testing.tiny_hybrid import ZOO_PATTERN
 
-FIX = "mtp-moe-router"
-FIX_DIR = str(Path(__file__).resolve().parents[3] / "mtp_overlay" / "fixes" / "mtp_moe_router")
 RELERR = 1e-6
 MAIN, MTP = ZOO_PATTERN.split("/")[:2]
 DEPTHS = ZOO_PATTERN.count("/")
 BACKBONE_MOE = [index for index, symbol in enumerate(MAIN) if symbol == "E"]  # slot - 1
 MTP_MOE = [index for index, symbol in enumerate(MTP) if symbol == "E"]  # place in the MTP pattern - 1
-TWO_BACKBONE = "*E*E/*E"  # Megatron-LM #7172's pattern
-VARIANTS = {"stock": ((), False), "flagged": ((), True), "overlay": ((FIX,), False)}
 needs_bridge = pytest.mark.skipif(not bridge_installed(), reason=BRIDGE_MISSING)
 
 
 def relerr(got, want):
     return float(np.linalg.norm(got - want) / np.linalg.norm(want))
-
-
-# ---------------------------------------------------------------- rank workers
-
-
-class FixCalls:
-    """Counts the calls of functions defined in the fix's folder while it is active (sys.setprofile)."""
-
-    def __init__(self):
-        self.calls = {}
-
-    def __enter__(self):
-        sys.setprofile(self._profile)
-        return self
-
-    def __exit__(self, *exc):
-        sys.setprofile(None)
-
-    def _profile(self, frame, event, arg):
-        if event == "call" and frame.f_code.co_filename.startswith(FIX_DIR):
-            self.calls[frame.f_code.co_name] = self.calls.get(frame.f_code.co_name, 0) + 1
-
-
-def aux_step(model, sp):
-    """Rank worker: the aux-loss-only step of ``model`` (a parity model name) stock, flagged and with the
-    overlay; per variant the MTP and backbone router gradients, the logged slots, the losses, what the
-    MTP block's MoE layers say, and which of the fix's functions ran while building and stepping."""
-    import mtp_overlay
-    from mtp_overlay.testing import moe
-    from mtp_overlay.testing.megatron_step import MegatronStep
-
-    out = {}
-    for variant, (fixes, flag) in VARIANTS.items():
-        mtp_overlay.uninstall()
-        mtp_overlay.install(only=list(fixes))
-        with FixCalls() as build:
-            built = parity.build(model, sequence_parallel=sp, mtp_moe_flag=flag)
-        step = MegatronStep(built, optimizer=None)
-        with FixCalls() as stepped:
-            measured = moe.aux_loss_gradients(step, [parity.microbatch(parity.Case(model, "bshd"))], labels=False)
-        language_model = step.language_model
-        layers = []
-        for name, layer in moe.mtp_moe_layers(language_model):
-            owner = language_model.get_submodule(name.rpartition(".")[0])
-            layers.append(dict(flags=[owner.is_mtp_layer, layer.is_mtp_layer, layer.router.is_mtp_layer],
-                               depth=vars(layer.router).get("mtp_depth"), number=layer.router.layer_number))
-        out[variant] = dict(mtp=measured.mtp, backbone=measured.backbone, slots=measured.slots, layers=layers,
-                            losses=(measured.step.lm_loss, measured.step.mtp_losses), build=build.calls,
-                            step=stepped.calls)
-    mtp_overlay.uninstall()
-    return out
-
-
-def two_backbone_moe(fixes, replay=False):
-    """Rank worker: ``"*E*E/*E"`` (aux and z loss on) through Megatron's step with ``fixes``: the step's
-    MTP router gradient and slots, or the error; with ``replay`` (built with routing replay, no step)
-    the router replay instances in their order."""
-    import mtp_overlay
-    from mtp_overlay.testing import moe
-    from mtp_overlay.testing.megatron_step import MegatronStep
-    from mtp_overlay.testing.tiny_gpt import make_batch
-    from mtp_overlay.testing.tiny_hybrid import build_tiny_hybrid
-
-    mtp_overlay.uninstall()
-    mtp_overlay.install(only=list(fixes))
-    settings = dict(moe_z_loss_coeff=1e-3, moe_token_dispatcher_type="allgather", moe_enable_routing_replay=replay)
-    facts = {}
-    if replay:
-        from megatron.core.transformer.moe.router_replay import RouterReplay
-
-        RouterReplay.clear_global_router_replay_instances()
-    model = build_tiny_hybrid(hybrid_layer_pattern=TWO_BACKBONE, **settings)
-    if replay:
-        routers = {id(module.router_replay): (name, module) for name, module in model.named_modules()
-                   if getattr(module, "router_replay", None) is not None}
-        facts["replay"] = [dict(name=routers[id(r)][0], layer_number=r.layer_number,
-                                is_mtp_layer=routers[id(r)][1].is_mtp_layer,
-                                depth=vars(routers[id(r)][1]).get("mtp_depth"))
-                           for r in RouterReplay.global_router_replay_instances]
-        RouterReplay.clear_global_router_replay_instances()
-        mtp_overlay.uninstall()
-        return facts
-    try:
-        measured = moe.aux_loss_gradients(MegatronStep(model, optimizer=None), [make_batch()])
-        facts.update(mtp=measured.mtp, slots=measured.slots, error=None)
-    except Exception as error:  # noqa: BLE001 - upstream's crash is the result
-        facts["error"] = f"{type(error).__name__}: {error}"
-        facts["where"] = _innermost(error)
-    mtp_overlay.uninstall()
-    return facts
-
-
-def _innermost(error):
-    import traceback
-
-    frame = traceback.extract_tb(error.__traceback__)[-1]
-    return f"{'/'.join(Path(frame.filename).parts[-4:])}:{frame.lineno}"
 
 
 def tp1_plan():
@@ -313,7 +212,7 @@ ON_COPY = """
 import json, sys
 from mtp_overlay.testing.launcher import run_ranks_checked
 sys.path.insert(0, {tests!r})
-from test_mtp_moe_router import two_backbone_moe
+from moe_router_cases import two_backbone_moe
 
 if __name__ == "__main__":
     import mtp_overlay, megatron.core
