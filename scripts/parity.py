@@ -12,7 +12,9 @@ Megatron's own training step (DDP, get_forward_backward_func, finalize_model_gra
 (mtp_overlay.testing.parity). References: BSHD at TP1; for packed THD rows each sequence alone,
 unpacked, at TP1. --compose: HybridModel on the unpadded THD row (NeMo-RL's
 model_slices_context_parallel_inputs flavour), every subset that matters of the megatron-core fixes,
-MTP-block / rest-of-model gradient relerr against each sequence alone at TP1.
+MTP-block / rest-of-model gradient relerr against each sequence alone at TP1; and the zoo with the MoE
+aux loss on (BSHD) with and without mtp-moe-router and mtp-cp-loss-scale, against the TP1 step with
+its MTP block's MoE layers flagged by hand.
 Usage: PYTHONPATH=$PWD python scripts/parity.py [--compose] [--no-bridge] [--parallelisms P,P] [--log FILE]
 """
 

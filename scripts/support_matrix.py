@@ -10,6 +10,9 @@ do; its HEAD is taken, its ``megatron/core`` extracted under the git-ignored ``.
 or a folder made that way. Without it, the main rows already in docs/SUPPORT.md are kept as they are
 (they name their commit and date). The snapshot's version is ``<package_info version>+<commit>``, a
 local version no release carries: the main rows are never compared with the default pins.
+
+``--only FIX`` (repeatable) measures those fixes alone and keeps every other fix's rows of
+docs/SUPPORT.md as they are: a new or changed fix's rows without re-measuring the others.
 """
 
 import argparse
@@ -58,10 +61,11 @@ def releases_of(distribution):
     return RELEASES.get(distribution, [None])
 
 
-def measure(distribution, site):
-    """The rows of every fix of ``distribution``, measured with ``site`` first on the path ("" for the venv's):
-    `mtp_overlay.check` with the test bed's stock runs, each row's run in the one wording (`StockRun`)."""
-    code = MEASURE.format(names=fixes_by_distribution()[distribution])
+def measure(distribution, site, names=None):
+    """The rows of the fixes ``names`` (default: every fix) of ``distribution``, measured with ``site``
+    first on the path ("" for the venv's): `mtp_overlay.check` with the test bed's stock runs, each
+    row's run in the one wording (`StockRun`)."""
+    code = MEASURE.format(names=names or fixes_by_distribution()[distribution])
     result = run_with_release(site, code, timeout=1800)
     lines = [line for line in result.stdout.splitlines() if line.startswith("MATRIX ")]
     if result.returncode or not lines:
@@ -97,28 +101,43 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--megatron-main", metavar="SOURCE",
                         help="also measure Megatron-LM main: its git directory, or a snapshot folder made from one")
+    parser.add_argument("--only", action="append", metavar="FIX", choices=declarations.names(),
+                        help="measure this fix only (repeatable); the other fixes' rows are kept as they are")
     return parser.parse_args(argv)
+
+
+def fix_of(line):
+    """The fix id a row of the table names."""
+    return line.split("|")[1].strip()
 
 
 def main(argv=None):
     args = parse_args(argv)
     snapshot = main_snapshot(args.megatron_main) if args.megatron_main else None
+    measured = {distribution: [name for name in names if args.only is None or name in args.only]
+                for distribution, names in fixes_by_distribution().items()}
     rows = []
-    for distribution in fixes_by_distribution():
-        for version in releases_of(distribution):
+    for distribution, names in measured.items():
+        for version in releases_of(distribution) if names else ():
             print(f"measuring {distribution} {version or distribution_version(distribution)}", file=sys.stderr)
-            rows += measure(distribution, release_site(distribution, version) if version else "")
-    if snapshot is not None:
+            rows += measure(distribution, release_site(distribution, version) if version else "", names)
+    if snapshot is not None and measured.get("megatron-core"):
         facts = snapshot_of(snapshot)
         print(f"measuring megatron-core from Megatron-LM main {facts['short']} ({facts['date']})", file=sys.stderr)
-        for row in measure("megatron-core", snapshot):
+        for row in measure("megatron-core", snapshot, measured["megatron-core"]):
             if row["version"] != facts["version"]:
                 raise SystemExit(f"{snapshot}: megatron-core answered {row['version']}, not the snapshot's {facts['version']}")
             rows.append(dict(row, label=MAIN_LABEL.format(**facts)))
     order = declarations.names()
     rows.sort(key=lambda row: (order.index(row["name"]), "label" in row, Version(row["version"])))
-    kept = [] if snapshot is not None or not SUPPORT.exists() else [
-        line for line in SUPPORT.read_text().splitlines() if MAIN_ROW.match(line)
+    # kept from the table as it is: the main rows when no snapshot was given and, with --only, every row
+    # of the fixes not measured
+    remeasured = {name for names in measured.values() for name in names}
+    kept = [] if not SUPPORT.exists() else [
+        line for line in SUPPORT.read_text().splitlines()
+        if (snapshot is None and MAIN_ROW.match(line)) or (
+            args.only and line.startswith("| ") and not line.startswith(("| fix |", "| --- |"))
+            and fix_of(line) not in remeasured)
     ]
     pins = {distribution: distribution_version(distribution) for distribution in fixes_by_distribution()}
     lines = [
@@ -136,14 +155,13 @@ def main(argv=None):
         "| fix | distribution | version | probe | reason | stock run |",
         "| --- | --- | --- | --- | --- | --- |",
     ]
-    body = [table_line(row) for row in rows]
-    for line in kept:  # after the last row of its fix
-        name = line.split("|")[1].strip()
-        at = max((i for i, other in enumerate(body) if other.split("|")[1].strip() == name), default=len(body) - 1)
-        body.insert(at + 1, line)
+    lines_of = {}
+    for line in [table_line(row) for row in rows] + kept:  # a fix's kept rows after its measured ones
+        lines_of.setdefault(fix_of(line), []).append(line)
+    body = [line for name in order for line in lines_of.get(name, ())]
     SUPPORT.parent.mkdir(exist_ok=True)
     SUPPORT.write_text("\n".join(lines + body) + "\n")
-    print(f"wrote {SUPPORT}" + (f" (kept {len(kept)} Megatron-LM main rows)" if kept else ""))
+    print(f"wrote {SUPPORT}" + (f" (kept {len(kept)} rows as they were)" if kept else ""))
 
 
 if __name__ == "__main__":

@@ -57,13 +57,13 @@ def verdict(root: "Any") -> Verdict:
         return drifted("no HybridStack (models/hybrid/hybrid_block.py) nor MambaStack (ssm/mamba_block.py) "
                        "defines __init__")
     file, cls, init = stack
-    flag = reading.stack_flag(init)
-    if flag is None:
-        return drifted(f"{cls}.__init__ ({file}) builds no submodules.moe_layer: the MOE branch changed shape")
     hybrid, sets_depth = reading.mtp_branch(reading.tree(root, reading.MTP_FILE))
     if not hybrid:
         return drifted(f"MultiTokenPredictionLayer.__init__ builds no {cls}(..., is_mtp_layer=True): no hybrid MTP "
                        "block (megatron-core builds one since 0.17), no branch for the hook to follow")
+    flag = reading.stack_flag(init)
+    if flag is None:
+        return drifted(f"{cls}.__init__ ({file}) builds no submodules.moe_layer: the MOE branch changed shape")
     slot, why = reading.router_slot(reading.tree(root, reading.ROUTER_FILE))
     if slot is None:
         return drifted(why)

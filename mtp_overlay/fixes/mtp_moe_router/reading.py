@@ -63,9 +63,9 @@ def method(module: "ast.Module | None", cls: str, name: str) -> "ast.FunctionDef
     return None
 
 
-def attributes(node: ast.AST) -> "set[str]":
-    """Every attribute name ``node`` reads or writes (``x.name``)."""
-    return {found.attr for found in ast.walk(node) if isinstance(found, ast.Attribute)}
+def attributes(node: "ast.AST | None") -> "set[str]":
+    """Every attribute name ``node`` reads or writes (``x.name``); none without a node."""
+    return set() if node is None else {found.attr for found in ast.walk(node) if isinstance(found, ast.Attribute)}
 
 
 def stack_init(root: Path) -> "tuple[str, str, ast.FunctionDef] | None":
@@ -98,7 +98,7 @@ def _is_position_slot(node: ast.AST) -> bool:
 def router_slot(router: "ast.Module | None") -> "tuple[str | None, str]":
     """("position" | "depth", "") for TopKRouter's logging functions, or (None, why) when they are
     missing, disagree, or compute the slot some other way."""
-    kinds = {}
+    kinds: "dict[str, str]" = {}
     for name in LOGGING:
         function = method(router, "TopKRouter", name)
         if function is None:
