@@ -1,15 +1,32 @@
-"""Cost of the installed overlay on the tiny MTP training step, against stock, in one process.
+"""Cost of the installed overlay on the tiny MTP training step and on the MoE step, against stock, in one process.
 
 One gloo rank (TP1) and two (TP2 + sequence parallel) run forward+backward of the test bed's tiny
 GPT with one MTP layer, alternating every repetition between the overlay installed (every fix's
 wrappers on megatron-core) and uninstalled (stock), so machine drift hits both sides alike.
-Prints the median step time of each side and their ratio (goal <= 1.01).
+
+The MoE step: the zoo HybridModel (attention, MoE, MLP; the Super recipe's MTP ``"*E"`` at 2
+depths, one repeated layer; MoE aux loss on) through Megatron's own step (DDP, the schedule,
+``finalize_model_grads``; RL forward, per-token loss), one model built stock and one built with the
+overlay installed (mtp-moe-router's hook acts while the model is built), three sides per round in
+rotating order: stock, the second model with mtp-moe-router alone, with the whole overlay. Then
+which of mtp-moe-router's functions ran while its model was built and over its steps (counted with
+``sys.setprofile``), and their own time per step (cProfile): a build-time and a logging-only hook
+show up as calls per build and per router logging call (two per router application), nothing per
+token.
+
+Prints the median step time of each side, their ratio, and for the MoE step also the median of each
+side's ratios to the same round's stock step (goal <= 1.01).
+Usage: PYTHONPATH=$PWD python scripts/bench_overhead.py [REPEATS [MOE_REPEATS]]
 """
 
 import statistics
 import sys
 
 from mtp_overlay.testing.launcher import run_ranks_checked
+
+MOE_MODEL = "zoo, aux loss"  # testing.parity's zoo with the MoE aux loss on
+FIX = "mtp-moe-router"
+PROFILED_STEPS = 20
 
 
 def interleaved_steps(repeats):
@@ -36,12 +53,101 @@ def interleaved_steps(repeats):
     return {side: statistics.median(values) for side, values in times.items()}
 
 
-def main(repeats=150):
+class _Calls:
+    """Counts the calls of the functions defined under ``folder`` while active (``sys.setprofile``)."""
+
+    def __init__(self, folder):
+        self.folder, self.calls = folder, {}
+
+    def __enter__(self):
+        sys.setprofile(self._profile)
+        return self
+
+    def __exit__(self, *exc):
+        sys.setprofile(None)
+
+    def _profile(self, frame, event, arg):
+        if event == "call" and frame.f_code.co_filename.startswith(self.folder):
+            self.calls[frame.f_code.co_name] = self.calls.get(frame.f_code.co_name, 0) + 1
+
+
+def _own_seconds(profile, folder):
+    """{function name: own seconds} of the functions defined under ``folder`` in a cProfile."""
+    import pstats
+
+    return {name: own for (filename, _, name), (_, _, own, *_) in pstats.Stats(profile).stats.items()
+            if filename.startswith(folder)}
+
+
+def interleaved_moe_steps(repeats):
+    """Rank worker: the zoo's step on three sides in rotating order each round (stock; mtp-moe-router
+    alone; the whole overlay), their medians and each side's median ratio to the same round's stock
+    step; and mtp-moe-router's functions that ran while its model was built and over its steps."""
+    import cProfile
+    import os
+    import time
+
+    from megatron.core import parallel_state
+
+    import mtp_overlay
+    from mtp_overlay.fixes import mtp_moe_router
+    from mtp_overlay.testing import parity
+    from mtp_overlay.testing.megatron_step import MegatronStep
+
+    sp = parallel_state.get_tensor_model_parallel_world_size() > 1
+    folder = os.path.dirname(mtp_moe_router.__file__)
+    mtp_overlay.uninstall()
+    stock = MegatronStep(parity.build(MOE_MODEL, sequence_parallel=sp), optimizer=None)
+    mtp_overlay.install()
+    with _Calls(folder) as build:
+        built = parity.build(MOE_MODEL, sequence_parallel=sp)
+    overlay = MegatronStep(built, optimizer=None)
+    batch = [parity.microbatch(parity.Case(MOE_MODEL, "bshd"))]
+    sides = {"stock": (stock, []), FIX: (overlay, [FIX]), "overlay": (overlay, None)}  # None: every fix
+    times = {side: [] for side in sides}
+    for round_ in range(repeats + 2):
+        order = list(sides)[round_ % 3:] + list(sides)[: round_ % 3]
+        for side in order:
+            step, fixes = sides[side]
+            mtp_overlay.uninstall()
+            mtp_overlay.install(only=fixes)
+            start = time.perf_counter()
+            step.step(batch, labels=False, update=False)
+            if round_ >= 2:  # warm-up rounds are not counted
+                times[side].append(time.perf_counter() - start)
+    mtp_overlay.install()
+    with _Calls(folder) as steps:
+        for _ in range(PROFILED_STEPS):
+            overlay.step(batch, labels=False, update=False)
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(PROFILED_STEPS):
+        overlay.step(batch, labels=False, update=False)
+    profile.disable()
+    paired = {side: statistics.median(t / s for s, t in zip(times["stock"], times[side])) for side in sides}
+    return dict(medians={side: statistics.median(values) for side, values in times.items()}, paired=paired,
+                build=build.calls, steps=steps.calls, own=_own_seconds(profile, folder))
+
+
+def main(repeats=150, moe_repeats=40):
     for label, world, tp in (("TP1", 1, 1), ("TP2+SP", 2, 2)):
         medians = run_ranks_checked(interleaved_steps, world, tp=tp, args=(repeats,), fixes=None)[0]
         print(f"{label:7s} tiny GPT+MTP fwd+bwd: stock {medians['stock'] * 1e3:.2f} ms, "
               f"overlay {medians['overlay'] * 1e3:.2f} ms, ratio {medians['overlay'] / medians['stock']:.3f} "
               f"(median of {repeats} interleaved)")
+    for label, world, tp in (("TP1", 1, 1), ("TP2+SP", 2, 2)):
+        found = run_ranks_checked(interleaved_moe_steps, world, tp=tp, args=(moe_repeats,), fixes=None,
+                                  timeout=3600)[0]
+        medians, paired = found["medians"], found["paired"]
+        print(f"{label:7s} zoo MoE+MTP Megatron step: stock {medians['stock'] * 1e3:.2f} ms; "
+              + "; ".join(f"{side} {medians[side] * 1e3:.2f} ms, ratio {medians[side] / medians['stock']:.3f}, "
+                          f"paired {paired[side]:.3f}" for side in (FIX, "overlay"))
+              + f" (medians of {moe_repeats} rounds, sides in rotating order)")
+        build = ", ".join(f"{name} {count}" for name, count in sorted(found["build"].items())) or "none"
+        own = {name: seconds / PROFILED_STEPS * 1e6 for name, seconds in found["own"].items()}
+        step = ", ".join(f"{name} {count / PROFILED_STEPS:g} ({own.get(name, 0):.1f} us own)"
+                         for name, count in sorted(found["steps"].items())) or "none"
+        print(f"        mtp-moe-router calls per build: {build}; per step: {step}")
 
 
 if __name__ == "__main__":

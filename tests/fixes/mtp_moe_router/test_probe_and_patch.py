@@ -101,8 +101,9 @@ def apply_patch(site, family):
     subprocess.run(["git", "apply", "-p1", str(PATCHES / f"{family}.patch")], cwd=site, check=True)
 
 
-MOE_BRANCH = "                        submodules.moe_layer,\n                        config=self.config,\n" \
-             "                        layer_number=layer_number,\n                        pg_collection=pg_collection,\n"
+MOE_BRANCH = ("                        submodules.moe_layer,\n                        config=self.config,\n"
+              "                        layer_number=layer_number,\n"
+              "                        pg_collection=pg_collection,\n")
 PR_6748 = (MOE_BRANCH, MOE_BRANCH + "                        is_mtp_layer=is_mtp_layer,\n")
 SLOT = "layer_number = self.layer_number + self.config.num_layers"
 
@@ -114,7 +115,8 @@ def test_check_says_needed_on_the_pinned_release():
     assert result.returncode == 0, result.stderr[-3000:]
     (row,) = json.loads(result.stdout)
     assert row["version"] == MEGATRON_CORE and row["verdict"] == "needed"
-    assert "the MOE branch of HybridStack.__init__ builds the MTP block's MoE layers without is_mtp_layer" in row["reason"]
+    assert "the MOE branch of HybridStack.__init__ builds the MTP block's MoE layers without is_mtp_layer" \
+        in row["reason"]
 
 
 # ---------------------------------------------------------------- the verdict, read from the files
@@ -148,7 +150,8 @@ def test_upstreams_flag_alone_still_needs_the_slot_half(tmp_path):
 def test_each_patch_carries_both_halves(version, family, tmp_path):
     found = verdict(files_of(version, tmp_path, family))
     assert found.state == "redundant", found.reason
-    assert "passes is_mtp_layer and TopKRouter.attach_and_log_load_balancing_loss already calls mtp_depth" in found.reason
+    assert "passes is_mtp_layer and TopKRouter.attach_and_log_load_balancing_loss already calls mtp_depth" \
+        in found.reason
 
 
 @pytest.mark.parametrize(("relative", "replacements", "why"), [
