@@ -102,7 +102,8 @@ def logs_by_depth(router_class: type) -> bool:
         while found is not None and not ours:
             ours = getattr(found, "_self_wrapper", None) is log_at_depth
             found = getattr(found, "__wrapped__", None)
-        if not ours and DEPTH not in inspect.unwrap(getattr(router_class, name)).__code__.co_names:
+        code = getattr(inspect.unwrap(getattr(router_class, name, None) or (lambda: None)), "__code__", None)
+        if not ours and (code is None or DEPTH not in code.co_names):
             return False
     return True
 
@@ -110,8 +111,9 @@ def logs_by_depth(router_class: type) -> bool:
 def flag_moe_layers(layer: "Any") -> "list[Any]":
     """Set ``is_mtp_layer`` on every MoE layer inside MTP layer ``layer``'s inner layers, on the module
     holding it and on its router, and ``mtp_depth`` on the router; returns the routers. A router
-    whose class would not log by depth (`logs_by_depth`) is left as upstream built it: with the flag
-    alone its slot could overflow the tracker (Megatron-LM #7172)."""
+    whose class would not log by depth (`logs_by_depth`: one that overrides the logging functions) is
+    left as upstream built it, and said so: with the flag alone its slot could overflow the tracker
+    (Megatron-LM #7172)."""
     from megatron.core.transformer.moe.moe_layer import BaseMoELayer
 
     inner = getattr(layer, "mtp_model_layer", None)
@@ -121,7 +123,11 @@ def flag_moe_layers(layer: "Any") -> "list[Any]":
     for owner in inner.modules():
         for child in owner.children():
             router = getattr(child, "router", None)
-            if not isinstance(child, BaseMoELayer) or router is None or not logs_by_depth(type(router)):
+            if not isinstance(child, BaseMoELayer) or router is None:
+                continue
+            if not logs_by_depth(type(router)):
+                FIX.lifecycle.report(f"{type(router).__qualname__} of the MTP block's MoE layer does not log by "
+                                     f"{DEPTH} (its own logging functions): left as upstream built it")
                 continue
             for module in (owner, child, router):
                 module.is_mtp_layer = True

@@ -108,3 +108,37 @@ def _innermost(error):
 
     frame = traceback.extract_tb(error.__traceback__)[-1]
     return f"{'/'.join(Path(frame.filename).parts[-4:])}:{frame.lineno}"
+
+
+def router_classes():
+    """Rank worker: which router classes log by depth (stock, hooked, one overriding the logging), and
+    what the build hook does with an MTP router of a class that overrides it: warns, leaves it."""
+    import warnings
+
+    import mtp_overlay
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    from mtp_overlay.fixes.mtp_moe_router import flag_moe_layers, logs_by_depth
+    from mtp_overlay.testing import moe
+
+    class OwnLogging(TopKRouter):
+        def attach_and_log_load_balancing_loss(self, *args, **kwargs):
+            return super().attach_and_log_load_balancing_loss(*args, **kwargs)
+
+    mtp_overlay.uninstall()
+    facts = dict(stock=logs_by_depth(TopKRouter))
+    model = parity.build("zoo, aux loss")
+    (_, layer), = moe.mtp_moe_layers(model)
+    mtp_overlay.install(only=[FIX])
+    facts.update(hooked=logs_by_depth(TopKRouter), own=logs_by_depth(OwnLogging))
+    layer.router.__class__ = OwnLogging
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        facts["own_flagged"] = len(flag_moe_layers(model.mtp.layers[0]))
+    facts["warned"] = [str(warning.message) for warning in caught]
+    facts["own_flags"] = [layer.is_mtp_layer, layer.router.is_mtp_layer]
+    layer.router.__class__ = TopKRouter
+    facts["flagged"] = len(flag_moe_layers(model.mtp.layers[0]))
+    facts["flags"] = [layer.is_mtp_layer, layer.router.is_mtp_layer]
+    mtp_overlay.uninstall()
+    return facts

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from moe_router_cases import FIX, VARIANTS, aux_step, two_backbone_moe
+from moe_router_cases import FIX, VARIANTS, aux_step, router_classes, two_backbone_moe
 
 from mtp_overlay.testing.bridge import BRIDGE_MISSING, bridge_installed
 from mtp_overlay.testing.launcher import run_ranks_checked
@@ -52,7 +52,8 @@ def relerr(got, want):
 
 def tp1_plan():
     return dict(zoo=aux_step("zoo, aux loss", False), two=two_backbone_moe(()), two_fixed=two_backbone_moe((FIX,)),
-                replay_stock=two_backbone_moe((), replay=True), replay=two_backbone_moe((FIX,), replay=True))
+                replay_stock=two_backbone_moe((), replay=True), replay=two_backbone_moe((FIX,), replay=True),
+                classes=router_classes())
 
 
 # ---------------------------------------------------------------- layout runs
@@ -172,6 +173,17 @@ def test_the_hook_runs_at_build_time_and_in_logging_only(request, name):
     assert measured["overlay"]["step"] == {"log_at_depth": 2 * applications}
     for variant in ("stock", "flagged"):
         assert measured[variant]["build"] == measured[variant]["step"] == {}, variant
+
+
+def test_a_router_that_overrides_the_logging_is_left_as_built_and_said_so(tp1):
+    """The build hook flags a router only where its logging goes through the fix's wrapper (or reads
+    mtp_depth itself): with the flag alone its slot could overflow the tracker. A router class that
+    overrides attach_and_log_load_balancing_loss is left unflagged, with a warning naming it."""
+    facts = tp1["classes"]
+    assert (facts["stock"], facts["hooked"], facts["own"]) == (False, True, False)
+    assert facts["own_flagged"] == 0 and facts["own_flags"] == [False, False]
+    assert len(facts["warned"]) == 1 and "OwnLogging" in facts["warned"][0] and FIX in facts["warned"][0]
+    assert facts["flagged"] == 1 and facts["flags"] == [True, True]
 
 
 # ---------------------------------------------------------------- "*E*E/*E": where the flag alone crashes
