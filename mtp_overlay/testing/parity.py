@@ -547,13 +547,16 @@ def notes_markdown(rows):
             "microbatch's routing, so only without it does a per-sequence reference exist."
         )
     if models & set(AUX_LOSS_MODELS):
-        missed = ("Stock and overlay miss it by the open defect" if any(open_defects(model) for model in models)
-                  else f"Stock misses it by {MTP_MOE_ROUTER} (the MTP router's aux loss trained once per depth), "
-                  "the overlay equals it")
+        if any(open_defects(model) for model in models):
+            missed = ("Stock and overlay miss it by the open defect; 'vs TP1 stock' is the layout check (every "
+                      "parallelism gives TP1's gradients, the defect included)")
+        else:
+            missed = (f"Stock misses it by {MTP_MOE_ROUTER} (the MTP router's aux loss trained once per depth), the "
+                      "overlay equals it; 'stock vs TP1 stock' is the layout check (stock gives TP1 stock's gradients "
+                      "at every parallelism, the defect included; under CP it also lacks mtp-cp-loss-scale)")
         lines.append(
             f"aux loss: coefficient {AUX_LOSS_COEFF}, BSHD only; reference: TP1 on the same batch with is_mtp_layer "
-            f"set by hand on the MTP block's MoE layers (upstream's intent). {missed}; 'vs TP1 stock' is the layout "
-            "check (at every parallelism the same path gives TP1 stock's gradients, the defect included)."
+            f"set by hand on the MTP block's MoE layers (upstream's intent). {missed}."
         )
     for defect in sorted({defect for model in models for defect in open_defects(model)}):
         lines.append(f"open {defect}: {OPEN_DEFECTS[defect]}.")
