@@ -11,8 +11,9 @@ from .registry import check, install, status, uninstall
 TYPE_CHECKING = False  # type checkers take the block below; no `import typing` here (it costs every interpreter)
 if TYPE_CHECKING:
     from .contract import OverlayError, OverlayWarning, State
+    from .verification import verify
 
-__all__ = ["FIXES", "OverlayError", "OverlayWarning", "State", "check", "install", "status", "uninstall"]
+__all__ = ["FIXES", "OverlayError", "OverlayWarning", "State", "check", "install", "status", "uninstall", "verify"]
 __version__ = "0.1.0"
 
 _CONTRACT = ("OverlayError", "OverlayWarning", "State")
@@ -24,6 +25,10 @@ def __getattr__(name: str) -> object:
         from . import contract
 
         return getattr(contract, name)
+    if name == "verify":  # `mtp-overlay verify`'s API (mtp_overlay.verification): loaded on first use
+        from .verification import verify
+
+        return verify
     if name == "FIXES":  # ((fix id, target modules), ...) in install order: the generated table's
         from . import table
 

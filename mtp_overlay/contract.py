@@ -308,12 +308,13 @@ class FixStatus:
     ``state``: the fix in this process (`State.RUNTIME`); ``verdict``: what `check()`'s probe found
     in the installed upstream (`State.VERDICTS`), None in `status()` rows; ``patched``: its source
     patch on disk (True, False; None: not asked, or no patch fits this install); ``run``: the
-    `StockRun` of `check(stock_run=...)`, None otherwise.
+    `StockRun` of `check(stock_run=...)`, None otherwise; ``details``: what an installed fix reports of
+    its work in this process (`mtp_overlay.fixes.Fix.details`, JSON-able; {} for most).
     """
 
     __slots__ = (
         "name", "summary", "distribution", "version", "state", "verdict", "reason", "late", "patched", "provenance",
-        "run",
+        "run", "details",
     )
 
     def __init__(self, declaration: Declaration, version: "str | None", state: str, reason: str, late: bool = False,
@@ -323,6 +324,7 @@ class FixStatus:
         self.patched = patched
         self.provenance = declaration.provenance.as_dict()
         self.run: "StockRun | None" = None
+        self.details: "dict[str, object]" = {}
 
     def as_dict(self) -> "dict[str, object]":
         row = {name: getattr(self, name) for name in self.__slots__}

@@ -53,15 +53,16 @@ def found_declarations() -> "list[Declaration]":
 
 
 def install_order(declarations: "list[Declaration]") -> "list[Declaration]":
-    """By distribution, then fix id; a fix declaring ``after`` comes after those fixes (its wrapper
-    outside theirs on an attribute both wrap). GenerationError on a cycle."""
+    """By distribution, then fix id; a fix comes after the fixes it declares ``after`` (its wrapper
+    outside theirs on an attribute both wrap) and those it ``requires`` (installed, and so checked,
+    first). GenerationError on a cycle."""
     waiting = sorted(declarations, key=lambda d: (d.distribution, d.name))
     ordered: "list[Declaration]" = []
     while waiting:
         placed = {d.name for d in ordered}
-        ready = next((d for d in waiting if all(name in placed for name in d.after)), None)
+        ready = next((d for d in waiting if all(name in placed for name in d.after + d.requires)), None)
         if ready is None:
-            raise GenerationError(f"the after= of {', '.join(d.name for d in waiting)} form a cycle")
+            raise GenerationError(f"the after= / requires= of {', '.join(d.name for d in waiting)} form a cycle")
         ordered.append(ready)
         waiting.remove(ready)
     return ordered

@@ -33,6 +33,8 @@ if TYPE_CHECKING:
 
         def wrappers(self, module: ModuleType) -> "Iterable[tuple[Any, str, Any]]": ...
 
+        def details(self) -> "dict[str, Any]": ...
+
 
 _lifecycles: "dict[str, Lifecycle]" = {}  # fix id -> its Lifecycle, made on first use
 
@@ -199,6 +201,12 @@ class Lifecycle:
         self.disable(reason)
         self.disabled_reason, self.failed_reason = None, reason
         self.report(reason)
+
+    def details(self) -> "dict[str, Any]":
+        """The fix's `details` while it is installed (its module loaded), else {}."""
+        if self._fix is None or self.state()[0] != State.INSTALLED:
+            return {}
+        return self._fix.details()
 
     def wrapped(self) -> "list[tuple[object, str]]":
         """The (owner, attribute) pairs this fix currently wraps."""

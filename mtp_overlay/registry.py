@@ -206,7 +206,7 @@ def _remove(name: str, reason: str) -> None:
 def status(only: "str | Iterable[str] | None" = None, *,
            patched: "Callable[[Declaration], bool | None] | None" = None) -> "list[FixStatus]":
     """One FixStatus per fix: its state in this process (`State.RUNTIME`), upstream distribution and
-    version, reason, late, and ``patched``: what ``patched(declaration)`` says of its source patch on
+    version, reason, late, ``details`` (what an installed fix has seen: `Fix.details`), and ``patched``: what ``patched(declaration)`` says of its source patch on
     disk (True, False, None: no patch fits; the CLI hands in `mtp_overlay.patching.survey.patched_on_disk`),
     None when no ``patched`` is given."""
     from .contract import FixStatus, State, distribution_version
@@ -220,7 +220,12 @@ def status(only: "str | Iterable[str] | None" = None, *,
         if version is None and state == State.PENDING:
             state, reason = State.ABSENT, f"{declaration.distribution} is not installed"
         on_disk = patched(declaration) if patched is not None and version is not None else None
-        rows.append(FixStatus(declaration, version, state, reason, found.late, on_disk))
+        details = found.details()
+        if details.get("note"):
+            reason = f"{reason}; {details['note']}"
+        row = FixStatus(declaration, version, state, reason, found.late, on_disk)
+        row.details = details
+        rows.append(row)
     return rows
 
 

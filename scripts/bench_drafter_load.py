@@ -1,4 +1,5 @@
-"""Benchmark vllm-mtp-drafter-load: the cost per refit of accounting vLLM's MTP drafter loads.
+"""Benchmark vllm-mtp-drafter-load: the cost per refit of accounting vLLM's MTP drafter loads, and the
+per-step cost of the freshness check.
 
 Builds vLLM's real ``NemotronHMTP`` on CPU (test bed `mtp_overlay.testing.vllm_drafter`), tiny and
 wide, and refits it with its own MTP head in checkpoint naming, stock (the unwrapped
@@ -9,7 +10,13 @@ per-pair ratios (shared machines drift: back-to-back pairs cancel it), the fix's
 per refit and per name, and how many tensors the fix copied (goal 0: the drafter gets the very
 tensor objects of the stream).
 
-    .venv/bin/python scripts/bench_drafter_load.py [--repeats 41]
+Per step, while no report is owed, in nanoseconds per call, stock and hooked interleaved: vLLM's V1
+``GPUModelRunner.execute_model`` (the real method, made with ``__new__`` and stopped by its own state
+guard, its first statement: the exception's way out through one more frame is part of it); the hook
+as installed (wrapt and the fix's wrapper) around a step that returns; and the check alone (the
+fix's wrapper function around a no-op: the test of one module-level integer).
+
+    .venv/bin/python scripts/bench_drafter_load.py [--repeats 41] [--steps 20000]
 """
 
 import argparse
@@ -66,9 +73,71 @@ def copies_made(stock, model, stream):
     return sum(a is not b or a[1] is not b[1] for a, b in zip(stream, seen)) + abs(len(stream) - len(seen))
 
 
+def per_call(function, calls):
+    """Seconds per call of ``function()`` over ``calls`` calls."""
+    start = time.perf_counter()
+    for _ in range(calls):
+        function()
+    return (time.perf_counter() - start) / calls
+
+
+def bench_step(repeats, calls):
+    """The freshness check's per-step cost: on vLLM's real execute_model, and alone."""
+    import wrapt
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.worker import gpu_model_runner
+
+    from mtp_overlay.fixes.vllm_mtp_drafter_load import freshness
+
+    hooked = vars(gpu_model_runner.GPUModelRunner)["execute_model"]
+    stock = getattr(hooked, "__wrapped__", hooked)  # what vLLM defines there: torch.inference_mode's wrapper
+    assert stock is not hooked, "the fix is not installed on GPUModelRunner.execute_model"
+    assert freshness._due == 0, "a staleness report is owed: the step would look its runner up"
+    runner = gpu_model_runner.GPUModelRunner.__new__(gpu_model_runner.GPUModelRunner)
+    runner.execute_model_state = "set: vLLM's guard stops the step at its first statement"
+    output = SchedulerOutput.make_empty()
+
+    def step(method):
+        def run():
+            try:
+                method(runner, output)
+            except RuntimeError:
+                pass
+        return run
+
+    def noop():
+        return None
+
+    def returning(self, scheduler_output):
+        return None
+
+    class Plain:
+        execute_model = returning
+
+    class Hooked:  # the fix's wrapper as it sits on the runner (wrapt), around a step that returns
+        execute_model = wrapt.FunctionWrapper(returning, freshness.on_execute_model)
+
+    bare, wrapped = Plain(), Hooked()
+    cases = {
+        "vLLM's V1 GPUModelRunner.execute_model, stopped by its guard (an exception through the hook)":
+            (step(stock), step(hooked)),
+        "the hook (wrapt + the check) around a step that returns":
+            (lambda: bare.execute_model(output), lambda: wrapped.execute_model(output)),
+        "the check alone (the fix's wrapper function around a no-op)":
+            (noop, lambda: freshness.on_execute_model(noop, runner, (), {})),
+    }
+    for label, (without, fixed) in cases.items():
+        pairs = [(per_call(without, calls), per_call(fixed, calls)) for _ in range(repeats)]
+        plain_ns = statistics.median(p for p, _ in pairs) * 1e9
+        fixed_ns = statistics.median(f for _, f in pairs) * 1e9
+        own = statistics.median(f - p for p, f in pairs) * 1e9
+        print(f"  {label}:\n      stock {plain_ns:7.0f} ns  hooked {fixed_ns:7.0f} ns  the fix's own {own:6.0f} ns per step")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=41)
+    parser.add_argument("--steps", type=int, default=20000, help="calls per timing of the per-step check")
     args = parser.parse_args()
     warnings.simplefilter("ignore")
     assert mtp_overlay.status(only=["vllm-mtp-drafter-load"])[0].state in ("pending", "installed")
@@ -92,6 +161,8 @@ def main():
                 print(f"  {how:20s} stock {stock_s * 1e6:9.1f} us  fixed {fixed_s * 1e6:9.1f} us  "
                       f"ratio {ratio:.3f}  the fix's own work {own * 1e6:7.1f} us per refit, "
                       f"{own * 1e6 / len(stream):5.2f} us per name")
+    print(f"per step (freshness check, no report owed; median of {args.repeats} x {args.steps} calls):")
+    bench_step(args.repeats, args.steps)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 # the modules whose annotations are checked (paths from the repository root): add a module here once typed
-TYPED = ("mtp_overlay/__init__.py", "mtp_overlay/mtp")
+TYPED = ("mtp_overlay/__init__.py", "mtp_overlay/mtp", "mtp_overlay/verification")
 CACHE = ROOT / ".cache" / "mypy"  # git-ignored: a second run reads torch's analysis from it
 
 MISUSE = """

@@ -99,3 +99,8 @@ class Fix:
     def wrappers(self, module: "ModuleType") -> "Iterable[tuple[Any, str, Any]]":
         """Yield ``(owner, attribute, wrapper)``: wrapt-style wrappers to put on ``module``."""
         return ()
+
+    def details(self) -> "dict[str, Any]":
+        """What the installed fix has seen in this process, JSON-able, for `status()` rows (``details``);
+        a ``"note"`` entry (one line) also goes into the row's reason. {} for a fix with nothing to say."""
+        return {}

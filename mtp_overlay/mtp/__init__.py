@@ -63,17 +63,21 @@ Metrics (``metrics``)
         rank of the last stage), read, clean; loss scaled by 1/num_microbatches,
         rate = 100*correct/max(total, 1); empty tracker -> {}.
     with_prefix(metrics, prefix="mtp/")
-    rollout_mtp_metrics(worker_stats) -> {"rollout_acceptance_pos_{k}", "rollout_mean_acceptance_length"}
+    rollout_mtp_metrics(worker_stats, *, drafter_refits_behind=None)
+            -> {"rollout_acceptance_pos_{k}", "rollout_mean_acceptance_length", "rollout_drafter_refits_behind"}
         From vLLM's ``SpecDecodingStats`` of every rollout worker (one per worker, or a list of a
         worker's steps), summed: position-k acceptance in percent (100 * accepted_per_pos / drafts),
-        mean acceptance length 1 + accepted / drafts; no drafts -> {}; ValueError on mismatched
-        positions, negative or inconsistent counts, an empty list.
+        mean acceptance length 1 + accepted / drafts; no drafts -> no acceptance keys; ValueError on
+        mismatched positions, negative or inconsistent counts, an empty list. ``drafter_refits_behind``
+        (per worker, from vllm-mtp-drafter-load's ``refits_behind``): the largest, beside acceptance.
     acceptance_gap(train_metrics, rollout_metrics) -> {"acceptance_gap_1": train - rollout, depth 1}
 
 Refit freshness (``refit``)
     fingerprint(named_tensors, keep=None, dtype=None) -> {name: TensorDigest(shape, dtype, size, checksum)}
-        Per-tensor checksums on the tensors' own devices (exact integer sums of their bytes: equal
-        bytes give equal digests on any device; ``dtype`` casts first, for a bf16 wire).
+        Per-tensor checksums on the tensors' own devices (two polynomial hashes of their bytes, order-
+        sensitive across the whole tensor, exact integers: equal bytes give equal digests on any device;
+        any change to one element of up to 4 bytes is caught; what is guaranteed: ``refit``'s docstring;
+        ``dtype`` casts first, for a bf16 wire).
     record_fingerprints(named_tensors, into, keep=None, dtype=None)  (generator: pairs unchanged)
         The receiving side: wrap what the drafter's load_weights consumes.
     compare_fingerprints(expected, received) -> {name: why}; check_fresh(...) raises StaleDrafterError
@@ -97,7 +101,8 @@ Typical RL step (TP/CP ranks, no packing)::
                 logits = unwrap_output(model(ids, position_ids, attention_mask))
             ...
     train = mtp_metrics(num_microbatches)
-    rollout = rollout_mtp_metrics([stats_of(worker) for worker in rollout_workers])
+    behind = llm.collective_rpc(refits_behind)  # vllm-mtp-drafter-load, in the rollout workers
+    rollout = rollout_mtp_metrics([stats_of(worker) for worker in rollout_workers], drafter_refits_behind=behind)
     log(with_prefix({**train, **rollout, **acceptance_gap(train, rollout)}))
 
 Refit freshness (trainer -> vLLM drafter)::

@@ -71,7 +71,8 @@ def with_prefix(metrics: Mapping[str, Value], prefix: str = METRICS_PREFIX) -> d
 _STATS_FIELDS = ("num_drafts", "num_accepted_tokens", "num_accepted_tokens_per_pos")
 
 
-def rollout_mtp_metrics(worker_stats: WorkerStats) -> dict[str, float]:
+def rollout_mtp_metrics(worker_stats: WorkerStats, *,
+                        drafter_refits_behind: int | Sequence[int | None] | None = None) -> dict[str, float]:
     """``{"rollout_acceptance_pos_{k}": ..., "rollout_mean_acceptance_length": ...}`` over rollout workers.
 
     ``worker_stats``: one entry per rollout worker, each a vLLM ``SpecDecodingStats``
@@ -80,10 +81,21 @@ def rollout_mtp_metrics(worker_stats: WorkerStats) -> dict[str, float]:
     summed over every worker and step, then, as vLLM's own spec-decode log does:
     acceptance at position k (from 1) = 100 * accepted_per_pos[k-1] / drafts (percent, like the
     train side's ``mtp_{k}_acceptance_rate``; position k counts only drafts accepted up to k), mean
-    acceptance length = 1 + accepted / drafts (the bonus token included). No drafts at all gives {}.
-    ValueError, naming the worker and step, for an empty list, positions that differ between
-    entries, negative or non-integer counts, or counts that contradict each other.
+    acceptance length = 1 + accepted / drafts (the bonus token included). No drafts at all gives no
+    acceptance keys. A count is any integer scalar: an int, a numpy integer, a 0-dim integer tensor or
+    array (what a gather of the stats through numpy or torch hands back; a tensor on a device is read
+    with one host transfer), ``num_accepted_tokens_per_pos`` any sequence of them (a 1-D array or
+    tensor too). ValueError, naming the worker and step, for an empty list, positions that differ
+    between entries, a missing (None) or non-sequence per-position field, negative, boolean or
+    non-integer counts, or counts that contradict each other.
+
+    ``drafter_refits_behind``: how many target refits each worker's drafter is behind, from
+    vllm-mtp-drafter-load (``llm.collective_rpc(refits_behind)``, `refits_behind` of
+    ``mtp_overlay.fixes.vllm_mtp_drafter_load``; None for a worker whose drafter it does not know), or
+    one int. Adds ``"rollout_drafter_refits_behind"``: the largest (0: every drafter got the last
+    refit), logged next to acceptance so a falling rate has its cause beside it; also without drafts.
     """
+    stale = _refits_behind(drafter_refits_behind)
     if isinstance(worker_stats, (str, bytes)) or not isinstance(worker_stats, (list, tuple)) or not worker_stats:
         raise ValueError(f"worker_stats must be a non-empty list (one entry per rollout worker), got {worker_stats!r:.200}")
     positions, drafts, accepted = None, 0, 0
@@ -103,11 +115,30 @@ def rollout_mtp_metrics(worker_stats: WorkerStats) -> dict[str, float]:
             drafts += counts[0]
             accepted += counts[1]
             per_pos = [a + b for a, b in zip(per_pos, counts[2])]
-    if drafts == 0:
-        return {}
-    metrics = {f"rollout_acceptance_pos_{k}": 100.0 * count / drafts for k, count in enumerate(per_pos, start=1)}
-    metrics["rollout_mean_acceptance_length"] = 1.0 + accepted / drafts
+    metrics: dict[str, float] = {}
+    if drafts:
+        metrics.update({f"rollout_acceptance_pos_{k}": 100.0 * count / drafts for k, count in enumerate(per_pos, start=1)})
+        metrics["rollout_mean_acceptance_length"] = 1.0 + accepted / drafts
+    if stale is not None:
+        metrics["rollout_drafter_refits_behind"] = float(stale)
     return metrics
+
+
+def _refits_behind(value: int | Sequence[int | None] | None) -> int | None:
+    """The largest count of ``drafter_refits_behind`` (None: none given, or no worker's drafter known)."""
+    if value is None:
+        return None
+    entries = [value] if isinstance(value, int) and not isinstance(value, bool) else value
+    if isinstance(entries, (str, bytes)) or not isinstance(entries, (list, tuple)):
+        raise ValueError(f"drafter_refits_behind must be an int or a list of them (one per worker), got {value!r:.200}")
+    known: list[int] = []
+    for index, entry in enumerate(entries):
+        if entry is None:
+            continue
+        if isinstance(entry, bool) or not isinstance(entry, int) or entry < 0:
+            raise ValueError(f"drafter_refits_behind[{index}] must be a non-negative int or None, got {entry!r}")
+        known.append(entry)
+    return max(known) if known else None
 
 
 def _spec_decode_counts(stats: object, where: str) -> tuple[int, int, list[int]]:
@@ -115,12 +146,17 @@ def _spec_decode_counts(stats: object, where: str) -> tuple[int, int, list[int]]
     if missing:
         raise ValueError(f"{where} must be a vLLM SpecDecodingStats (with {', '.join(_STATS_FIELDS)}), "
                          f"got {type(stats).__name__} without {', '.join(missing)}")
-    drafts, accepted, per_pos = (getattr(stats, name) for name in _STATS_FIELDS)
-    per_pos = list(per_pos)
-    for name, value in (("num_drafts", drafts), ("num_accepted_tokens", accepted),
-                        *((f"num_accepted_tokens_per_pos[{i}]", v) for i, v in enumerate(per_pos))):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"{where}.{name} must be a non-negative int, got {value!r}")
+    drafts = _count(getattr(stats, "num_drafts"), f"{where}.num_drafts")
+    accepted = _count(getattr(stats, "num_accepted_tokens"), f"{where}.num_accepted_tokens")
+    name, given = f"{where}.num_accepted_tokens_per_pos", getattr(stats, "num_accepted_tokens_per_pos")
+    try:
+        if isinstance(given, (str, bytes)) or getattr(given, "ndim", 1) != 1:
+            raise TypeError
+        values = list(given)
+    except TypeError:
+        raise ValueError(f"{name} must be a sequence of non-negative ints, one per speculative position, "
+                         f"got {given!r:.200}") from None
+    per_pos = [_count(value, f"{name}[{i}]") for i, value in enumerate(values)]
     if not per_pos:
         raise ValueError(f"{where}.num_accepted_tokens_per_pos is empty: expected one count per speculative position")
     if any(later > earlier for earlier, later in zip([drafts, *per_pos], per_pos)):
@@ -129,6 +165,23 @@ def _spec_decode_counts(stats: object, where: str) -> tuple[int, int, list[int]]
     if sum(per_pos) != accepted:
         raise ValueError(f"{where}.num_accepted_tokens={accepted} is not the sum of num_accepted_tokens_per_pos {per_pos}")
     return drafts, accepted, per_pos
+
+
+def _count(value: object, name: str) -> int:
+    """``value`` as an int when it is an integer count (int, numpy integer, 0-dim integer tensor or
+    array); ValueError naming ``name`` otherwise. Booleans are refused: ``True`` is no count."""
+    import operator
+
+    boolean = isinstance(value, bool) or str(getattr(value, "dtype", "")) in ("bool", "torch.bool")
+    if not boolean and getattr(value, "ndim", 0) == 0:
+        try:
+            count = operator.index(value)  # type: ignore[arg-type]  # the TypeError is the answer
+        except TypeError:
+            pass
+        else:
+            if count >= 0:
+                return count
+    raise ValueError(f"{name} must be a non-negative int (or integer scalar), got {value!r:.200}")
 
 
 def acceptance_gap(train_metrics: dict[str, float], rollout_metrics: dict[str, float]) -> dict[str, float]:

@@ -11,13 +11,34 @@ tensors the rollout worker receives (the stream its drafter's ``load_weights`` c
 `check_fresh`. A stale drafter (refit never reached it, or reached it with old tensors) names its
 tensors instead of showing up weeks later as "acceptance is low".
 
-Checksum guarantees (`tensor_checksum`): computed on the tensor's own device, 16 bytes per tensor,
-from the tensor's bytes in its own dtype with exact integer arithmetic (order-independent sums that
-never overflow below 2**39 bytes), so the same bytes give the same checksum on any device (CPU, CUDA,
-any index) and after any transport. Different dtypes are different bytes: pass ``dtype=`` to compare
-a trainer's fp32 tensors with a bf16 wire (the cast rounds to nearest-even, the same on every
-device). A Fletcher-style pair (plain sum, position-weighted sum mod 65521) catches any single
-changed byte and moved/swapped blocks; it is a staleness check, not a cryptographic hash.
+Checksum (`tensor_checksum`): 16 bytes per tensor, computed on the tensor's own device with exact
+integer arithmetic, so the same bytes give the same checksum on any device (CPU, CUDA, any index) and
+after any transport. The tensor's bytes, in logical order, are read as 16-bit words
+``w_i = byte[2i] + 256 * byte[2i+1]`` (an odd last byte is a word of its own), and the checksum is
+the pair of polynomial hashes ``sum_i w_i * r^i mod p`` for two primes ``p`` below 2**31, each with
+a base ``r`` that is a primitive root of it (`_MODULI`). Every word has its own weights across the
+whole tensor: the pair ``(r1^i, r2^i)`` repeats only after ``lcm(p1 - 1, p2 - 1)`` (over 2**57)
+words. Different dtypes are different
+bytes: pass ``dtype=`` to compare a trainer's fp32 tensors with a bf16 wire (the cast rounds to
+nearest-even, the same on every device). Together with the digest's shape, dtype and size it
+guarantees, for two tensors of one shape and dtype, that the checksums differ when:
+
+- any bytes within one aligned 4-byte group differ: any change to one element of 1, 2 or 4 bytes
+  (float32, bfloat16, float16, int32, int8, float8, bool), a byte, a bit. One word's change ``d``
+  changes a hash by ``d * r^i``, never 0 mod p; two words' ``d0 + d1 * r`` vanish mod p1 for 4
+  pairs ``(d0, d1)`` and mod p2 for 4 others, never for the same one (checked exhaustively by the tests);
+- two unequal elements of 4 bytes trade places less than ``(p2 - 1) / 2 = 1073741814`` elements
+  apart (anywhere in a float32 tensor of up to that many elements, just under 4 GiB); two unequal
+  elements of 2 bytes, less than ``lcm(p1 - 1, p2 - 1)`` elements apart. The change is
+  ``r^a - r^b`` times one element's difference, and ``r^t = 1 mod p`` only at multiples of ``p - 1``.
+
+Beyond that nothing is guaranteed: a change of more than one element (swapped rows, a stale tensor)
+goes unnoticed only when the polynomial of its word differences has both bases as roots, which
+changes made without regard to these fixed, public constants essentially never do (two 31-bit
+coincidences at once), but a change crafted against them can. No fingerprint of 16 bytes can do
+more: past 16 bytes there are more tensors than fingerprints, so tensors that differ yet share one
+always exist, and with no secret key anyone can construct them. It is a staleness check, not a
+cryptographic hash: compare SHA-256 digests of the host bytes where an adversary is the concern.
 """
 
 from __future__ import annotations
@@ -38,8 +59,12 @@ _WRAPPER_PREFIXES = ("model.language_model.", "language_model.")
 _NAMESPACE = re.compile(r"(?:model\.)?mtp\.(?:layers\.(\d+)\.)?")
 _POSITIONAL = re.compile(r"(?:model\.|backbone\.)?layers\.(\d+)\.")
 NAMESPACE, POSITIONAL = "mtp.*", "positional"
-_MODULUS = 65521  # largest prime below 2**16: position weights stay below 2**16
-_CHUNK_BYTES = 1 << 22  # bytes checksummed per step: bounds the int64 working set at 32 MiB
+# (prime p < 2**31, base r): r is the first primitive root of p from floor(p * (sqrt 5 - 1) / 2),
+# resp. floor(p * (sqrt 2 - 1)); below 2**31 every product of a word (< 2**16) or a residue with a
+# residue stays below 2**62 in int64
+_MODULI = ((2147483647, 1327217885), (2147483629, 889516854))
+_BLOCK = 1 << 16  # words summed exactly in int64 before a reduction: (2**16 - 1) * (2**31 - 2) * 2**16 < 2**63
+_CHUNK_WORDS = 32 * _BLOCK  # words checksummed per step (4 MiB of the tensor): an int64 working set of 16 MiB
 
 
 class TensorDigest(NamedTuple):
@@ -88,8 +113,18 @@ def mtp_name_filter(num_hidden_layers: int, num_mtp_layers: int) -> Callable[[st
 
 
 def tensor_checksum(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(sum of bytes, position-weighted sum of bytes mod 65521)`` of ``tensor`` as 0-dim int64 tensors
-    on its own device (no host sync); ``dtype``: cast first (a temporary copy on that device)."""
+    """The two polynomial hashes of ``tensor``'s bytes (see the module's docstring) as 0-dim int64
+    tensors on its own device (no host sync); ``dtype``: cast first (a temporary copy on that device)."""
+    return _checksum(tensor, dtype, {})
+
+
+def _checksum(tensor: torch.Tensor, dtype: torch.dtype | None,
+              powers: dict[tuple[torch.device, int, int], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """`tensor_checksum`, keeping its tables of base powers in ``powers`` for the next tensor.
+
+    Word ``i = b * B + j`` (block ``b`` of ``B = min(_BLOCK, words)`` words) weighs ``r^i = (r^B)^b * r^j``:
+    each block's sum of ``word * r^j`` is exact in int64, then reduced and weighed by ``(r^B)^b``.
+    """
     import torch
 
     if not isinstance(tensor, torch.Tensor):
@@ -101,25 +136,50 @@ def tensor_checksum(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> t
         tensor = tensor.to(dtype)
     flat = tensor.reshape(-1)  # a view when contiguous; non-contiguous tensors are read in logical order
     data = flat.view(torch.uint8) if flat.numel() else flat.new_empty(0, dtype=torch.uint8)
-    plain = torch.zeros((), dtype=torch.int64, device=data.device)
-    weighted = torch.zeros((), dtype=torch.int64, device=data.device)
-    for start in range(0, data.numel(), _CHUNK_BYTES):
-        chunk = data[start:start + _CHUNK_BYTES].to(torch.int64)
-        weights = torch.arange(start, start + chunk.numel(), dtype=torch.int64, device=data.device)
-        weights.remainder_(_MODULUS).add_(1)
-        plain += chunk.sum()
-        weighted += (chunk * weights).sum()
-    return plain, weighted
+    device, words = data.device, (data.numel() + 1) // 2
+    width = max(1, min(_BLOCK, words))
+    hashes = [torch.zeros((), dtype=torch.int64, device=device) for _ in _MODULI]
+    for start in range(0, words, _CHUNK_WORDS):
+        chunk = data[2 * start:2 * (start + _CHUNK_WORDS)].to(torch.int64)
+        blocks = -(-chunk.numel() // (2 * width))
+        chunk = torch.nn.functional.pad(chunk, (0, 2 * width * blocks - chunk.numel()))  # zero words weigh nothing
+        values = (chunk[0::2] + chunk[1::2] * 256).view(blocks, width)
+        first = start // width
+        for k, (modulus, base) in enumerate(_MODULI):
+            inner = _powers(powers, device, k, base, width)  # r^j
+            outer = _powers(powers, device, k, pow(base, width, modulus), first + blocks)  # (r^B)^b
+            sums = (values * inner[:width]).sum(dim=1).remainder_(modulus)
+            part = (sums * outer[first:first + blocks]).remainder_(modulus).sum()
+            hashes[k] = (hashes[k] + part).remainder_(modulus)
+    return hashes[0], hashes[1]
 
 
-def _digest(tensor: torch.Tensor, dtype: torch.dtype | None) -> tuple[tuple[int, ...], str, int, torch.Tensor]:
+def _powers(cache: dict[tuple[torch.device, int, int], torch.Tensor], device: torch.device, k: int, base: int,
+            count: int) -> torch.Tensor:
+    """At least ``count`` powers ``base^0, base^1, ... mod p`` of modulus ``k`` (int64, on ``device``),
+    grown by doubling and kept in ``cache``."""
+    import torch
+
+    modulus = _MODULI[k][0]
+    table = cache.get((device, k, base))
+    if table is None:
+        table = torch.ones(1, dtype=torch.int64, device=device)
+    while table.numel() < count:
+        step = pow(base, table.numel(), modulus)  # base^n: the next n powers are the first n times base^n
+        table = torch.cat((table, (table * step).remainder_(modulus)))
+    cache[(device, k, base)] = table
+    return table
+
+
+def _digest(tensor: torch.Tensor, dtype: torch.dtype | None,
+            powers: dict[tuple[torch.device, int, int], torch.Tensor]) -> tuple[tuple[int, ...], str, int, torch.Tensor]:
     """(shape, dtype name, size in bytes, [2] int64 checksum on the tensor's device)."""
     import torch
 
-    plain, weighted = tensor_checksum(tensor, dtype)
+    first, second = _checksum(tensor, dtype, powers)
     wire_dtype = dtype or tensor.dtype
     size = tensor.numel() * wire_dtype.itemsize
-    return tuple(tensor.shape), str(wire_dtype).removeprefix("torch."), size, torch.stack((plain, weighted))
+    return tuple(tensor.shape), str(wire_dtype).removeprefix("torch."), size, torch.stack((first, second))
 
 
 def fingerprint(
@@ -134,12 +194,13 @@ def fingerprint(
 
     entries: dict[str, tuple[tuple[int, ...], str, int]] = {}
     sums: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
+    powers: dict[tuple[torch.device, int, int], torch.Tensor] = {}
     for index, (name, tensor) in enumerate(_pairs(named_tensors, "named_tensors")):
         if keep is not None and not keep(name):
             continue
         if name in entries:
             raise ValueError(f"named_tensors: {name!r} appears twice (at index {index})")
-        shape, dtype_name, size, checksum = _digest(tensor, dtype)
+        shape, dtype_name, size, checksum = _digest(tensor, dtype, powers)
         entries[name] = (shape, dtype_name, size)
         sums.setdefault(checksum.device, []).append((name, checksum))
     values: dict[str, list[int]] = {}
@@ -163,10 +224,11 @@ def record_fingerprints(
     """
     if not isinstance(into, dict):
         raise TypeError(f"into must be a dict to collect the digests in, got {type(into).__name__}")
+    powers: dict[tuple[torch.device, int, int], torch.Tensor] = {}
     for pair in _pairs(named_tensors, "named_tensors"):
         name, tensor = pair
         if keep is None or keep(name):
-            shape, dtype_name, size, checksum = _digest(tensor, dtype)
+            shape, dtype_name, size, checksum = _digest(tensor, dtype, powers)
             into[name] = TensorDigest(shape, dtype_name, size, tuple(checksum.tolist()))
         yield pair
 

@@ -97,4 +97,4 @@ def _print_row(row):
     print(f"{row['fix']} ({where}{variant}): {outcome}")
     print(f"  {row['reason']}")
     for entry in row["files"]:
-        print(f"  {row['site_packages']}/{entry['path']}  sha256 {entry['found']}")
+        print(f"  {row['site_packages']}/{entry['path']}  {entry['state']}  sha256 {entry['found']}")

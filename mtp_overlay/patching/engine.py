@@ -83,7 +83,9 @@ def _act(command, reports, dry_run):
         done = "back at their released sha256" if reverse else "at their patched sha256"
         report.reason = f"{report.patch.name}: {len(report.files)} file(s) written, {done}"
         for entry in report.files:
-            entry["found"] = sha256((report.installed.root / entry["path"]).read_bytes())
+            path = report.installed.root / entry["path"]
+            entry["found"], carries = sha256(path.read_bytes()), working[path][2]
+            entry["carries"], entry["state"] = sorted(carries), "patched" if report.fix.name in carries else "unpatched"
 
 
 def _work(report, working, reverse):

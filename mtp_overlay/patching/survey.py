@@ -14,6 +14,11 @@ from .locate import find_distribution
 from .manifest import ManifestError, state_key, touched_files
 
 
+# what one touched file is: carries this fix's patch as measured, is at a measured state without it
+# (as released, or with other fixes' patches), has bytes no measured state has, or is not there
+FILE_STATES = ("patched", "unpatched", "edited", "missing")
+
+
 def sha256(data):
     return None if data is None else hashlib.sha256(data).hexdigest()
 
@@ -23,6 +28,9 @@ class Report:
 
     ``current``: the touched files' bytes on disk; ``carries``: per file, the fix ids its hash
     says it carries, with ``states`` the manifest's map that hash was found in (None: unknown bytes).
+    ``files``: per touched file its ``path``, ``state`` (`FILE_STATES`), ``found`` sha256, the
+    measured ones ``released`` and ``patched`` (with this fix's patch, alone or with others'), and the
+    fix ids it ``carries`` (None for bytes the manifest does not know).
     """
 
     __slots__ = ("fix", "installed", "patch", "state", "action", "reason", "files", "current", "carries", "states")
@@ -81,8 +89,11 @@ def survey(fix, manifest, dirs=None, verify=True):
                 report.carries[file], report.states[file] = carries, states
                 break
         released = sorted({states[frozenset()] for states in candidates if frozenset() in states})
-        report.files.append({"path": file, "found": found, "released": released,
-                             "carries": sorted(report.carries.get(file, ()))})
+        patched = sorted({digest for states in candidates for applied, digest in states.items() if fix.name in applied})
+        carries = report.carries.get(file)
+        report.files.append({"path": file, "state": _file_state(fix, data, carries), "found": found,
+                             "released": released, "patched": patched,
+                             "carries": None if carries is None else sorted(carries)})
     known = [fix.name in report.carries[file] for file in report.current if file in report.carries]
     if len(known) == len(report.current):
         if all(known):
@@ -117,10 +128,11 @@ def transform(report, current, carries, reverse):
     """The bytes ``report``'s patch makes of ``current`` (files carrying ``carries``), or takes out
     of them when ``reverse``, each checked against the manifest: ``(files, carries after)``."""
     fix = report.fix
-    if any(file not in carries for file in current):
+    unknown = [file for file in current if file not in carries]
+    if unknown:
         raise PatchError(
-            f"{fix.name}: cannot {'revert' if reverse else 'apply'} byte-exactly: "
-            f"{report.patch.name}'s files do not match the manifest's sha256"
+            f"{fix.name}: cannot {'revert' if reverse else 'apply'} byte-exactly: {', '.join(unknown)} "
+            f"match(es) no sha256 the manifest has for {report.patch.name}'s files (edited since?)"
         )
     files, error = git_apply(report.patch, current, reverse)
     verb = "git apply --reverse" if reverse else "git apply"
@@ -160,25 +172,53 @@ def patched_on_disk(fix, manifest=None):
         return None
     try:
         state = survey(fix, manifest or load(), verify=False).state
-    except ManifestError:  # an install without patches/: `mtp-overlay patch` reports it, status goes on
-        return None
+    except (ManifestError, PatchError):  # no patches/ here, or no git to read an edited file with:
+        return None  # `mtp-overlay patch` says which; status and check go on
     return {State.APPLIED: True, State.NEEDED: False}.get(state)
 
 
+def _file_state(fix, data, carries):
+    if data is None:
+        return "missing"
+    if carries is None:
+        return "edited"
+    return "patched" if fix.name in carries else "unpatched"
+
+
 def _mismatch(report):
+    """Why the files fit no state of the patch: each edited or missing file named with the sha256 the
+    other files say it should have, then what those are (patched, unpatched, or both: half-applied).
+
+    Nothing is written then, by apply or by revert: a container build needs every file of a fix in one
+    measured state, and a partial revert would leave the fix half-applied under a hook that reads one file.
+    """
+    fix, installed = report.fix, report.installed
+    name = f"{fix.distribution} {installed.version}"
+    groups = {state: [entry for entry in report.files if entry["state"] == state] for state in FILE_STATES}
+    patched, unpatched, changed = groups["patched"], groups["unpatched"], groups["edited"] + groups["missing"]
     lines = []
-    name = f"{report.fix.distribution} {report.installed.version}"
-    for entry in report.files:
-        where = report.installed.root / entry["path"]
-        if entry["path"] in report.carries:
-            kind = "patched" if report.fix.name in entry["carries"] else "unpatched"
-            lines.append(f"{where} is {kind} while other files are not (half-applied)")
+    for entry in changed:
+        if patched and not unpatched:
+            wanted, what, since = entry["patched"], f"{name} with this patch, as the other files carry it", "the patch"
         else:
-            lines.append(
-                f"{where}: expected sha256 {' or '.join(entry['released']) or '(none measured)'} ({name} as "
-                f"released, or with other fixes' patches), found {entry['found'] or 'no file'} (edited since?)"
-            )
+            wanted, what, since = entry["released"], f"{name} as released, or with other fixes' patches", "the release"
+        how = "edited" if entry["found"] else "removed"
+        lines.append(f"{installed.root / entry['path']}: expected sha256 {' or '.join(wanted) or '(none measured)'} "
+                     f"({what}), found {entry['found'] or 'no file'} ({how} since {since})")
+    if patched and unpatched:
+        lines.append(f"half-applied: {_paths(patched)} carry the patch, {_paths(unpatched)} do not")
+    elif changed and (patched or unpatched):
+        lines.append(f"the other {len(patched or unpatched)} file(s) {'carry' if patched else 'do not carry'} the "
+                     "patch, as measured")
+    undo = "undo the edit, or " if changed else ""
+    release = f"{fix.distribution}=={installed.version}"
+    lines.append(f"nothing is written until every file is in one measured state: {undo}reinstall {release} "
+                 f"(`pip install --force-reinstall --no-deps {release}`: every file as released)")
     return f"{report.patch.name}: " + "; ".join(lines)
+
+
+def _paths(entries):
+    return ", ".join(entry["path"] for entry in entries)
 
 
 def _read(path):

@@ -52,7 +52,7 @@ Usage (``fn`` must be a module-level function, its arguments and return value pi
   ``make_llava_batch(image_positions)``, ``CombinedIdsReference`` (the language model run directly on
   the hand-built combined ids and mask: the reference an MTP fix for LLaVAModel must equal),
   ``language_model_call`` (the language model called as LLaVAModel calls it), ``build_tiny_mimo``,
-  ``build_bridge_omni`` (Bridge 0.6.2's Nemotron Omni provider, text-only on CPU).
+  ``build_bridge_omni`` (Bridge 0.6's Nemotron Omni provider, text-only on CPU).
 * ``llava_oracle``: the combined (text + image) layout from first principles, no megatron-core:
   ``combine`` (ids, labels, loss mask, image rows), ``mtp_pairs(layout, depth)`` (what MTP trains),
   ``image_targets`` (pairs that target an image slot), ``shard`` (CP/SP slicing as LLaVAModel's).
@@ -94,15 +94,23 @@ Usage (``fn`` must be a module-level function, its arguments and return value pi
   models included (``parity_table`` / ``markdown``: ``scripts/parity.py``), and the
   composition cases of the real path (``composition_cases``, ``expected_outcome``: which fixes a path
   needs; ``scripts/parity.py --compose``).
+* ``verify``: the engine of ``mtp-overlay verify`` (the same steps as ``parity``, ``parity.run_step``),
+  on a user's shrunk config built by Bridge's provider: per case the (sequence, position, target)
+  pairs each MTP depth trained and the errors against each sequence alone; the product
+  (``mtp_overlay.verification``) runs it as a child process (``python -m mtp_overlay.testing.verify``)
+  and judges.
 * ``reproducers.reproduce(fix_id) -> (bug_shows, evidence)``: a fix's stock path with the fix off
   (``reproducers/<fix_id>.py``), for the support matrix, the upstream-tracking tests, ``check --run``.
 * ``demo``: the main job (``mtp-overlay demo``); ``patch_images``: what ``scripts/measure_patches.py``
   and the tests measure for the patch manifest.
 * ``bridge``: models built through Megatron-Bridge 0.6 providers (``AutoBridge.from_hf_config`` of
-  tiny local Qwen3 / NemotronH configs, and a NemotronH config with the zoo's MoE layers and MTP);
-  importable without Bridge (``bridge_installed()``).
-* ``bridge_step``: Bridge's own ``gpt_step.forward_step`` through ``MegatronStep.run`` (``run_bridge_step``,
-  ``step_state``: what it reads of Bridge's GlobalState), and the three Bridge MTP defects as cases a
+  tiny local Qwen3 / NemotronH configs, and a NemotronH config with the zoo's MoE layers and MTP; any
+  provider through ``build_provided``); importable without Bridge (``bridge_installed()``);
+  ``import_stand_ins()``: Bridge's modules imported by name (a fix's targets: the contract test,
+  ``check --run``, the support matrix) through the scoped stand-ins of its missing optional packages.
+* ``bridge_step``: Bridge's own ``gpt_step.forward_step`` (or DeepSeek-V4's, ``step=``) through
+  ``MegatronStep.run`` (``run_bridge_step``, ``step_state``: what it reads of Bridge's GlobalState),
+  and the three Bridge MTP defects as cases a
   fix's test calls with the fix off or on: ``sft_mtp_cases`` (positions trained vs allowed, and a
   direct forward with the mask), ``mtp_off_cases`` / ``omni_finalize`` (``mtp_num_layers: 0``),
   ``export_case`` / ``exported_drafters`` (HF export -> vLLM's real NemotronHMTP).

@@ -77,6 +77,19 @@ def import_bridge():
     return megatron.bridge
 
 
+@contextlib.contextmanager
+def import_stand_ins():
+    """While the block runs, Bridge's modules import on a machine without its optional packages:
+    ``import megatron.bridge`` through the scoped TE stand-in, its training step (``gpt_step``)
+    through the scoped stand-ins of its optional imports (both in `cpu_shims`). Where the packages
+    are installed it does nothing. For code that imports Bridge's modules by name, such as a fix's
+    targets (``mtp-overlay check``, the contract test)."""
+    from .cpu_shims import bridge_training_import_stand_ins, transformer_engine_import_stand_in
+
+    with transformer_engine_import_stand_in(), bridge_training_import_stand_ins():
+        yield
+
+
 def tiny_hf_config(kind, *, mtp_num_layers=None, vocab_size=128, hidden_size=64, max_position_embeddings=64):
     """A tiny Hugging Face config of ``kind`` (one of BUILDABLE) with ``mtp_num_layers`` MTP layers
     (None: the kind's, `MTP_LAYERS`)."""
@@ -157,6 +170,19 @@ def build_bridge_model(
     (``{"mtp_num_layers": 0}``, ``{"moe_aux_loss_coeff": 0.0}``), applied with the test bed's own
     overrides before ``finalize()``. The model's ``config`` is the provider.
     """
+    provider = bridge_provider(kind, mtp_num_layers=mtp_num_layers)
+    return build_provided(provider, seed=seed, sequence_parallel=sequence_parallel,
+                          scatter_embedding_sequence_parallel=scatter_embedding_sequence_parallel, recipe=recipe)
+
+
+def build_provided(provider, *, seed=1234, sequence_parallel=False, scatter_embedding_sequence_parallel=True,
+                   recipe=None):
+    """The model a Bridge ``provider`` (not finalized: straight from ``to_megatron_provider`` or a
+    recipe) builds for this rank, with the test bed's overrides (`build_bridge_model`): this rank's
+    TP / CP / PP (its stage; and, with MoE layers, expert) parallel sizes, CPU initialisation, no
+    dropout, without TE local specs; ``recipe`` fields on top. A HybridModelProvider without the scatter field is
+    re-declared with it (`HybridModelProviderWithScatterOption`) when the embedding must not scatter.
+    """
     import torch
     from megatron.core import parallel_state
     from megatron.core.extensions.transformer_engine import HAVE_TE
@@ -168,7 +194,6 @@ def build_bridge_model(
         raise TypeError(
             f"scatter_embedding_sequence_parallel must be a bool, got {scatter_embedding_sequence_parallel!r}"
         )
-    provider = bridge_provider(kind, mtp_num_layers=mtp_num_layers)
     overrides = dict(
         tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
         context_parallel_size=parallel_state.get_context_parallel_world_size(),
@@ -177,13 +202,16 @@ def build_bridge_model(
         hidden_dropout=0.0,
         attention_dropout=0.0,
     )
-    if kind in MOE_KINDS:
+    stages = parallel_state.get_pipeline_model_parallel_world_size()
+    if stages > 1:  # this rank's stage (the provider reads pre/post_process from the pipeline group)
+        overrides.update(pipeline_model_parallel_size=stages, pipeline_dtype=torch.float32)
+    if getattr(provider, "num_moe_experts", None):
         overrides.update(
             expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
             expert_tensor_parallel_size=parallel_state.get_expert_tensor_parallel_world_size(),
         )
     if not scatter_embedding_sequence_parallel:
-        if kind == "nemotron_h":
+        if "scatter_embedding_sequence_parallel" not in {field.name for field in dataclasses.fields(provider)}:
             provider = _with_scatter_option(provider)
         overrides["scatter_embedding_sequence_parallel"] = False
     if not HAVE_TE:

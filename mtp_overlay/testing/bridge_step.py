@@ -6,7 +6,7 @@ on tiny models built by Bridge's providers (``testing.bridge``: Qwen3 -> GPTMode
 HybridModel). On a CPU machine its import needs `cpu_shims.bridge_training_import_stand_ins` and its
 ``.cuda(non_blocking=True)`` `cpu_shims.cpu_batch`; its ``state`` argument is `step_state`.
 
-The defects (Megatron-Bridge 0.6.2), each a function a fix's test calls with the fix off or on:
+The defects (Megatron-Bridge 0.6), each a function a fix's test calls with the fix off or on:
 
 * `sft_mtp_cases`: ``gpt_step._forward_step_common`` (``training/gpt_step.py:432-437``) never passes
   the batch's ``loss_mask`` to the model, so megatron-core's ``process_mtp_loss`` trains the MTP
@@ -17,7 +17,7 @@ The defects (Megatron-Bridge 0.6.2), each a function a fix's test calls with the
   (``models/nemotronh/nemotron_h_bridge.py:322-370``, through ``CONFIG_MAPPING``'s
   ``("num_nextn_predict_layers", "mtp_num_layers")``, ``models/conversion/model_bridge.py:478``)
   exports a repeated-layer provider's ``mtp_num_layers`` (forward repetitions of one shared layer)
-  as the HF depth; vLLM 0.33.0's ``NemotronHMTP`` refuses anything but 1
+  as the HF depth; vLLM 0.33's ``NemotronHMTP`` refuses anything but 1
   (``model_executor/models/nemotron_h_mtp.py:246-249``). Bridge issue #5946, PR #5948.
 * `mtp_off_cases` / `omni_finalize`: ``HybridModelProvider.finalize`` (``models/hybrid/
   hybrid_provider.py:199-208``) keeps ``max(1, mtp_num_layers or 0)`` copies of the MTP pattern
@@ -38,6 +38,10 @@ BATCH_SIZE, SEQ_LENGTH, PROMPT_TOKENS, PADDING = 2, 32, 12, (0, 8)
 VOCAB_SIZE, EOS_ID = 128, 0
 # the repeated-layer recipe of the export defect: one shared MTP layer applied this many times
 MTP_REPEATS = 2
+# Bridge's step modules whose forward_step runs _forward_step_common: gpt_step's own, and
+# DeepSeek-V4's (models/deepseek/deepseek_v4_step.py:45 binds it by name; its get_batch at :149)
+STEPS = {"gpt_step": "megatron.bridge.training.gpt_step",
+         "deepseek_v4_step": "megatron.bridge.models.deepseek.deepseek_v4_step"}
 
 
 def import_gpt_step():
@@ -53,6 +57,16 @@ def import_gpt_step():
         gpt_step = importlib.import_module("megatron.bridge.training.gpt_step")
         importlib.import_module("megatron.bridge.training.utils.train_utils")
     return gpt_step
+
+
+def import_step(step="gpt_step"):
+    """The Bridge step module ``step`` (a key of `STEPS`), imported as `import_gpt_step` does."""
+    import importlib
+
+    if step not in STEPS:
+        raise ValueError(f"step must be one of {sorted(STEPS)}, got {step!r}")
+    import_gpt_step()
+    return importlib.import_module(STEPS[step])
 
 
 def step_state(provider, *, check_for_nan_in_loss=True):
@@ -126,7 +140,8 @@ def mtp_positions(loss_mask, depth=1):
 class SftMtpCase:
     """One SFT microbatch through Bridge's ``forward_step`` and through a direct forward, this layout.
 
-    layout: "TP1", "CP2", "TP2xCP2"...; built: "<provider class> -> <model class>". allowed / every:
+    layout: "TP1", "CP2", "TP2xCP2"...; built: "<provider class> -> <model class>"; step: the Bridge
+    step module whose ``forward_step`` ran (`STEPS`). allowed / every:
     `mtp_positions` of the batch (depth 1). trained / direct_trained: the (row, position) pairs MTP
     depth 1 back-propagated a loss from (``packed.record_mtp``), over the full rows (CP ranks
     gathered), in Bridge's step and in the direct one. bridge / direct: the two
@@ -137,6 +152,7 @@ class SftMtpCase:
     kind: str
     layout: str
     built: str
+    step: str
     allowed: tuple
     every: tuple
     trained: tuple
@@ -158,13 +174,14 @@ class SftMtpCase:
         return self.bridge.relative_error(self.direct, "mtp")
 
 
-def sft_mtp_cases(kinds=("qwen3", "nemotron_h"), *, seed=1234):
+def sft_mtp_cases(kinds=("qwen3", "nemotron_h"), *, seed=1234, step="gpt_step"):
     """Worker: `sft_mtp_case` of each kind in turn on this rank's layout; one SftMtpCase each."""
-    return [sft_mtp_case(kind, seed=seed) for kind in kinds]
+    return [sft_mtp_case(kind, seed=seed, step=step) for kind in kinds]
 
 
-def sft_mtp_case(kind, *, seed=1234):
-    """`SftMtpCase` of ``kind`` (``bridge.KINDS``) on this rank's TP/CP layout (no optimizer step).
+def sft_mtp_case(kind, *, seed=1234, step="gpt_step"):
+    """`SftMtpCase` of ``kind`` (``bridge.KINDS``) on this rank's TP/CP layout (no optimizer step),
+    Bridge's side through the ``forward_step`` of step module ``step`` (`STEPS`).
 
     Each path gets its own model, built alike from ``seed`` (identical weights), and the same batch.
     """
@@ -177,7 +194,7 @@ def sft_mtp_case(kind, *, seed=1234):
     batch = sft_batch()
     model = build_bridge_model(kind, seed=seed)
     with record_mtp(model) as records:
-        bridge = run_bridge_step(model, [batch])
+        bridge = run_bridge_step(model, [batch], step=step)
     bridge_trained = _trained_positions(records)
     direct_model = build_bridge_model(kind, seed=seed)
     direct_batch = dict(input_ids=batch["tokens"], labels=batch["labels"], position_ids=batch["position_ids"],
@@ -188,7 +205,7 @@ def sft_mtp_case(kind, *, seed=1234):
     tp, cp = parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_context_parallel_world_size()
     return SftMtpCase(
         kind=kind, layout="x".join(([f"TP{tp}"] if tp > 1 or cp == 1 else []) + ([f"CP{cp}"] if cp > 1 else [])),
-        built=f"{type(model.config).__name__} -> {type(model).__name__}",
+        built=f"{type(model.config).__name__} -> {type(model).__name__}", step=step,
         allowed=allowed, every=every, trained=bridge_trained, direct_trained=_trained_positions(records),
         bridge=bridge, direct=direct,
     )
@@ -215,23 +232,24 @@ def bridge_microbatch(batch):
     return cpu_batch(dict(batch)) if installed() else dict(batch)
 
 
-def run_bridge_step(model, microbatches, *, update=False):
-    """One step of Megatron's schedule with Bridge's own ``gpt_step.forward_step`` on ``model``.
+def run_bridge_step(model, microbatches, *, update=False, step="gpt_step"):
+    """One step of Megatron's schedule with Bridge's own ``forward_step`` on ``model``: gpt_step's,
+    or that of another step module of `STEPS`.
 
     microbatches: full-length Bridge batches (`sft_batch`'s keys); Bridge's ``get_batch`` slices
     them for CP itself. update: with megatron-core's optimizer step. Returns the MegatronStepResult.
     """
     from .megatron_step import MegatronStep
 
-    gpt_step = import_gpt_step()
+    module = import_step(step)
     from megatron.bridge.training.utils.train_utils import prepare_forward_step_func
 
-    step = MegatronStep(model, optimizer="megatron" if update else None)
-    forward_step = prepare_forward_step_func(gpt_step.forward_step, step_state(model.config))
+    megatron_step = MegatronStep(model, optimizer="megatron" if update else None)
+    forward_step = prepare_forward_step_func(module.forward_step, step_state(model.config))
     shape = microbatches[0]["tokens"].shape
-    return step.run(forward_step, iter([bridge_microbatch(batch) for batch in microbatches]),
-                    num_microbatches=len(microbatches), micro_batch_size=shape[0],
-                    seq_length=shape[1], update=update)
+    return megatron_step.run(forward_step, iter([bridge_microbatch(batch) for batch in microbatches]),
+                             num_microbatches=len(microbatches), micro_batch_size=shape[0],
+                             seq_length=shape[1], update=update)
 
 
 # --- mtp_num_layers: 0 on a repeated-layer NemotronH ------------------------------------------------
@@ -369,7 +387,7 @@ class DrafterOutcome:
 
 
 def exported_drafters(configs):
-    """vLLM 0.33.0's real MTP drafter built from each HF config dict of ``configs`` (`ExportCase.config`):
+    """vLLM 0.33's real MTP drafter built from each HF config dict of ``configs`` (`ExportCase.config`):
     one `DrafterOutcome` each. Runs `vllm_drafter.drafter_environment` itself (vLLM's own
     world-size-1 group: call it outside the test bed's ranks)."""
     import traceback

@@ -37,7 +37,7 @@ chunked scan, with per-sequence resets from ``seq_idx``), ``mamba_chunk_scan_com
 path's scan), the gated ``RMSNormGated``; plus the version answers a packed step asks for and, for
 packed rows under CP, TE's ``thd_get_partitioned_indices``. No module is faked in ``sys.modules``.
 
-MoE's alltoall token dispatcher (megatron-core 0.19.2 ``transformer/moe/token_dispatcher.py``; the
+MoE's alltoall token dispatcher (megatron-core 0.19 ``transformer/moe/token_dispatcher.py``; the
 allgather dispatcher needs none of these):
 
 * ``MoEAlltoAllTokenDispatcher.__init__`` creates the class attribute ``cuda_dtoh_stream`` with
@@ -106,7 +106,7 @@ Pipeline parallelism (PP > 1, ``mtp_overlay.testing.pipeline``):
 vLLM's weight-transfer engines (scoped, used by ``testing.vllm_worker``):
 
 * ``accelerator_synchronize_stand_in()``: ``WeightTransferEngine.update_weights`` ends with
-  ``torch.accelerator.synchronize()`` (vLLM 0.33.0 ``distributed/weight_transfer/base.py:598``,
+  ``torch.accelerator.synchronize()`` (vLLM 0.33 ``distributed/weight_transfer/base.py:598``,
   0.25.1 ``:182``), which raises "Found no NVIDIA driver" on a machine without one: inside the block
   it returns at once (host copies are done when they return), and only while no accelerator exists.
 """
@@ -1193,7 +1193,7 @@ def _te_1_10_min_version(version, check_equality=True):
 
 @contextlib.contextmanager
 def bridge_omni_local_specs():
-    """Inside the block, Megatron-Bridge 0.6.2's ``NemotronOmniModelProvider.provide()`` builds local specs.
+    """Inside the block, Megatron-Bridge 0.6's ``NemotronOmniModelProvider.provide()`` builds local specs.
 
     ``megatron/bridge/models/nemotron_omni/nemotron_omni_provider.py`` imports megatron-core's TE
     ``hybrid_stack_spec`` (line 23) and ``get_vit_layer_with_transformer_engine_spec`` (line 26) and
@@ -1237,7 +1237,7 @@ BRIDGE_GUARDED_IMPORTS = {
 def bridge_training_import_stand_ins(importers=None):
     """While the block runs, the unguarded optional imports of Bridge's training step get stand-ins.
 
-    ``import megatron.bridge.training.gpt_step`` (Megatron-Bridge 0.6.2) fails on a machine with
+    ``import megatron.bridge.training.gpt_step`` (Megatron-Bridge 0.6) fails on a machine with
     neither ModelOpt, Hugging Face ``datasets``, Energon nor TensorBoard. The import statements
     that need them, each given a stand-in by `_bridge_training_stand_ins`:
 
@@ -1370,7 +1370,7 @@ def _bridge_training_stand_ins():
 def cpu_batch(batch):
     """``batch`` (a dict of tensors, None values kept) whose tensors answer ``.cuda(...)`` with themselves.
 
-    Megatron-Bridge 0.6.2 ``get_batch_from_iterator`` (``training/gpt_step.py:266``) moves every
+    Megatron-Bridge 0.6 ``get_batch_from_iterator`` (``training/gpt_step.py:266``) moves every
     tensor its data iterator yields with ``val.cuda(non_blocking=True)``. On a CPU machine the test
     bed's iterator yields tensors that carry their own ``cuda`` (an instance attribute, ahead of
     ``torch.Tensor.cuda``): it returns the tensor itself, as ``tensor.to("cpu", ...)`` would; every
@@ -1399,7 +1399,7 @@ def accelerator_synchronize_stand_in():
     """Inside the block ``torch.accelerator.synchronize`` returns at once when no accelerator exists.
 
     vLLM's ``WeightTransferEngine.update_weights`` synchronizes the device after every chunk so the
-    next step reads the new weights (0.33.0 ``distributed/weight_transfer/base.py:598``); the CUDA
+    next step reads the new weights (0.33 ``distributed/weight_transfer/base.py:598``); the CUDA
     build of torch raises there without a driver. On the host every copy into a parameter has
     finished when it returns, so there is nothing to wait for. With an accelerator the real function
     stays.

@@ -1,6 +1,7 @@
 """The main job on an embedded default: tiny stock-megatron-core MTP models trained on gloo ranks, each
-fix off and on: a GPTModel at TP2 + sequence parallel, an RL forward with a response-only mask, and a
-HybridModel on a packed (THD) batch with real sequence lengths under context parallelism.
+fix off and on: a GPTModel at TP2 + sequence parallel, an RL forward with a response-only mask, a
+HybridModel on a packed (THD) batch with real sequence lengths under context parallelism, and a
+multimodal LLaVAModel (images and text) whose HybridModel language model has an MTP depth.
 
 Run with `scripts/demo.sh` or `mtp-overlay demo`. The models, their MTP layers and the losses are
 megatron-core's own; CPU shims stand in for CUDA. What the ranks print (torch's and megatron-core's
@@ -14,8 +15,9 @@ from mtp_overlay import registry
 
 from .launcher import RankPool
 from .reproducers.mtp_loss_mask import scoped_mask_mtp_positions
+from .reproducers.mtp_multimodal import llava_mtp_forward
 
-SP_SCATTER, LOSS_MASK, PACKED_ROLL = "mtp-sp-scatter", "mtp-loss-mask", "mtp-packed-roll"
+SP_SCATTER, LOSS_MASK, PACKED_ROLL, MULTIMODAL = "mtp-sp-scatter", "mtp-loss-mask", "mtp-packed-roll", "mtp-multimodal"
 NOT_SCATTERING = dict(sequence_parallel=True, scatter_embedding_sequence_parallel=False)
 # four sequences of a packed RL batch, their prompt lengths, each padded to a multiple of 2*CP = 4
 LENGTHS, PROMPTS, PAD_MULTIPLE = (9, 12, 6, 4), (2, 0, 3, 1), 4
@@ -97,5 +99,20 @@ def main(out=print, log=None):
             ok &= (wrong == 0) == bool(fixes)
             verdict = "all right" if wrong == 0 else f"{wrong} (position, target) pairs wrong or missed"
             out(f"   {label}: MTP loss {loss:.5f} on {len(trained)} targets ({verdict})")
+
+        out("\n== mtp-multimodal: LLaVAModel (CLIP ViT, HybridModel with MTP), 2 images, labels, prompt masked, TP1")
+        for label, fixes in (("fix off", []), ("fix on ", [LOSS_MASK, MULTIMODAL])):
+            run = tp1.run_checked(llava_mtp_forward, fixes=fixes)[0]
+            if run["error"] is not None:
+                ok &= not fixes
+                out(f"   {label}: CRASH: {_last_line(run['error'])}")
+                continue
+            right = run["trained"] == run["allowed"] and not run["image_targets"]
+            ok &= right == bool(fixes)
+            wrong = len(run["trained"] ^ run["allowed"])
+            verdict = ("exactly those, no image slot" if right else
+                       f"{wrong} pairs wrong or missed, {run['image_targets']} image-bound")
+            out(f"   {label}: MTP head trained on {len(run['trained'])} positions, the combined mask allows "
+                f"{len(run['allowed'])} ({verdict})")
     out(f"\n(the ranks' own output: {log})")
     return 0 if ok else 1

@@ -21,6 +21,10 @@ train in it, so a fix can be judged by "trained pairs == `mtp_pairs`; no image p
   ``k`` to the left (``transformer/multi_token_prediction.py`` ``process_mtp_loss``): it trains
   ``(p, labels[p + k])`` where ``loss_mask[p + k]`` is 1.
 * `image_targets`: pairs whose label slot or predicted slot is an image slot (must be none).
+* Without labels (RL), `input_aligned_mask` places the caller's input-aligned mask in the layout (0 at
+  image and padding slots); `unlabelled_mtp_pairs`: Megatron derives the labels from the ids and
+  rolls that mask with them, so depth ``k`` at slot ``p`` trains ``ids[p + 1 + k]`` where the mask
+  allows; `unlabelled_image_targets`: those whose target slot is no text slot (must be none).
 * `shard`: the layout sliced for the language model's ranks exactly as
   ``_process_embedding_token_parallel`` (``:749``) slices the combined embeddings: padded to a
   multiple of the shard factor (2*CP*TP with CP and SP, 2*CP with CP, TP with SP), then under CP
@@ -63,7 +67,7 @@ class CombinedLayout:
 
 def mtp_fill_id(image_token_index, vocab_size):
     """The id the MTP block embeds at image slots: the image token itself when it is a vocabulary id
-    (Nemotron Omni's; vLLM 0.33.0 feeds a drafter without multimodal-embedding support, such as
+    (Nemotron Omni's; vLLM 0.33 feeds a drafter without multimodal-embedding support, such as
     NemotronHMTP, the prompt's ids, placeholders included: ``v1/spec_decode/llm_base_proposer.py:1345-1352``),
     else 0, the id LLaVAModel embeds at placeholders for its own text embeddings (``llava_model.py:1224``).
     Never trained either way: image slots have mask 0."""
@@ -168,6 +172,49 @@ def mtp_pairs(layout, depth):
             if layout.loss_mask[b, p + depth] != 0:
                 pairs.add((b, p, int(layout.labels[b, p + depth])))
     return pairs
+
+
+def input_aligned_mask(input_ids, loss_mask, layout, *, image_token_index):
+    """[batch, combined_length]: an input-aligned mask (``loss_mask[j]`` weights input token ``j``
+    itself, the RL convention) in ``layout``: a text token's value at its slot, 0 at image and
+    padding slots. The text tokens of a sample fill its TEXT slots in reading order."""
+    import torch
+
+    input_ids, loss_mask = _batch_tensor(input_ids, "input_ids"), _batch_tensor(loss_mask, "loss_mask")
+    if tuple(loss_mask.shape) != tuple(input_ids.shape):
+        raise ValueError(f"loss_mask must have input_ids' shape {tuple(input_ids.shape)}, got {tuple(loss_mask.shape)}")
+    combined = torch.zeros(layout.ids.shape, dtype=loss_mask.dtype)
+    for b in range(input_ids.shape[0]):
+        values = [loss_mask[b, j] for j in range(input_ids.shape[1]) if input_ids[b, j] != image_token_index]
+        slots = [p for p in range(layout.length) if layout.kinds[b, p] == TEXT]
+        for p, value in zip(slots, values):
+            combined[b, p] = value
+    return combined
+
+
+def unlabelled_mtp_pairs(layout, mask, depth):
+    """{(sample, slot p, target id)}: what MTP depth ``depth`` trains in ``layout`` without labels.
+
+    Megatron derives the labels from the ids rolled one slot left and rolls the input-aligned
+    ``mask`` with them, then both ``depth`` more: slot p is trained on ``ids[p + 1 + depth]`` where
+    ``mask[p + 1 + depth]`` is nonzero.
+    """
+    _check_depth(depth)
+    pairs = set()
+    batch, length = layout.ids.shape
+    for b in range(batch):
+        for p in range(length - 1 - depth):
+            if mask[b, p + 1 + depth] != 0:
+                pairs.add((b, p, int(layout.ids[b, p + 1 + depth])))
+    return pairs
+
+
+def unlabelled_image_targets(layout, pairs, depth):
+    """The pairs of `unlabelled_mtp_pairs` whose target slot ``p + 1 + depth`` is not a real text slot
+    (an image or padding slot): must be none."""
+    _check_depth(depth)
+    return {(b, p, target) for b, p, target in pairs
+            if p + 1 + depth >= layout.lengths[b] or int(layout.kinds[b, p + 1 + depth]) != TEXT}
 
 
 def image_targets(layout, pairs, depth):

@@ -98,12 +98,18 @@ LOSSES = {  # MegatronStep.step arguments of the per-token loss modes
 # as MultiTokenPredictionLayer builds them): a case's model is built with those of its fixes installed
 BUILT_WITH = (MTP_MOE_ROUTER,)
 
+# modules of multimodal wrappers around a language model (LLaVAModel, MimoModel): no parity model is one
+MULTIMODAL_WRAPPERS = ("megatron.core.models.multimodal.", "megatron.core.models.mimo.")
+
 
 def megatron_core_fixes():
-    """The overlay's megatron-core fixes (every fix whose targets are megatron-core modules)."""
+    """The overlay's megatron-core fixes of the language model's path: every fix whose targets are
+    megatron-core modules, but those that target multimodal wrappers only (mtp-multimodal), which
+    change nothing for the parity models (tests/fixes/mtp_multimodal/ measures that fix)."""
     from .. import registry
 
-    return tuple(name for name, targets in registry.FIXES if all(t.startswith("megatron.core") for t in targets))
+    return tuple(name for name, targets in registry.FIXES if all(t.startswith("megatron.core") for t in targets)
+                 and not all(t.startswith(MULTIMODAL_WRAPPERS) for t in targets))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -252,19 +258,32 @@ def run_cases(cases):
             model = build(case.model, sequence_parallel=case.sequence_parallel, mtp_moe_flag=case.mtp_moe_flag)
             steps[key] = MegatronStep(SelfSlicingCP(model) if case.wrapper else model, optimizer=None)
             buffers[key] = [(buffer, buffer.detach().clone()) for buffer in model.buffers()]
-        with torch.no_grad():
-            for buffer, built in buffers[key]:
-                buffer.copy_(built)
-        mtp_overlay.uninstall()
-        mtp_overlay.install(only=list(case.fixes))
-        try:
-            step = steps[key].step([microbatch(case)], labels=False, update=False, mtp_mask=case.mtp_mask,
-                                   **LOSSES[case.loss])
-            outcomes.append(Outcome(case, step=step))
-        except Exception as error:  # noqa: BLE001 - a stock crash or a refusal is a result
-            outcomes.append(Outcome(case, error=f"{type(error).__name__}: {error}"))
+        step, error = run_step(steps[key], buffers[key], microbatch(case), case.fixes, labels=False,
+                               mtp_mask=case.mtp_mask, **LOSSES[case.loss])
+        outcomes.append(Outcome(case, step=step, error=error))
     mtp_overlay.uninstall()
     return outcomes if torch.distributed.get_rank() == 0 else None
+
+
+def run_step(step, buffers, batch, fixes, **options):
+    """One case on a built model: its buffers back to their built values, exactly ``fixes`` installed
+    (stock megatron-core for none), one ``step.step([batch], update=False, **options)``; (the
+    MegatronStepResult, None), or (None, "Type: message") when the step raised: every rank fails at
+    the same point (shape checks, layout refusals), so the next case starts in step. The core of
+    `run_cases` and of ``mtp-overlay verify``'s engine (`verify.run_cases`)."""
+    import torch
+
+    import mtp_overlay
+
+    with torch.no_grad():
+        for buffer, built in buffers:
+            buffer.copy_(built)
+    mtp_overlay.uninstall()
+    mtp_overlay.install(only=list(fixes))
+    try:
+        return step.step([batch], update=False, **options), None
+    except Exception as error:  # noqa: BLE001 - a stock crash or a refusal is a result
+        return None, f"{type(error).__name__}: {error}"
 
 
 def run_layout(parallelism, cases, *, timeout=900, log=None):

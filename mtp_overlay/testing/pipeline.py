@@ -18,7 +18,7 @@ all-reduces the two copies' gradients (``distributed/finalize_model_grads.py``
   stage by global parameter name, as a checkpoint load does. A stage built from the seed alone would
   draw its layers' weights from another point of the generator, and could not be compared with PP1.
 * `global_names`: a stage's parameters under the PP1 model's names.
-* `stage_keys`: the microbatch entries a stage's forward uses (Megatron-Bridge 0.6.2
+* `stage_keys`: the microbatch entries a stage's forward uses (Megatron-Bridge 0.6
   ``training/gpt_step.py:258-261``: the first stage and an MTP stage the token and position ids, the
   last stage the labels and the loss mask; packed-sequence parameters everywhere).
 * `gather_stages`: every stage's ``(global name, tensor)`` pairs on every rank, in stage order (the

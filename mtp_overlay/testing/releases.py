@@ -174,6 +174,20 @@ def megatron_main_site(git_dir, destination_root, commit="HEAD"):
     for a pinned release. Put the folder first on ``PYTHONPATH`` and ``megatron.core`` and
     ``importlib.metadata.version("megatron-core")`` answer from it.
     """
+    return _source_snapshot(git_dir, destination_root, commit, "megatron-core", "", "megatron/core")
+
+
+def bridge_main_site(git_dir, destination_root, commit="HEAD"):
+    """Megatron-Bridge ``commit`` (default: HEAD) as an importable site, as `megatron_main_site` makes
+    Megatron-LM's: its ``src/megatron/bridge`` package as ``megatron/bridge``, a ``megatron_bridge``
+    dist-info of version ``<package_info version>+<short commit>`` (what ``package_info.py``
+    reports in a git checkout), and ``SNAPSHOT.json``. megatron-core stays the venv's."""
+    return _source_snapshot(git_dir, destination_root, commit, "megatron-bridge", "src", "megatron/bridge")
+
+
+def _source_snapshot(git_dir, destination_root, commit, distribution, root, package):
+    """The folder ``destination_root/<short commit>`` holding ``package`` (a path below ``root`` in
+    the tree of ``commit`` of ``git_dir``), its dist-info and SNAPSHOT.json; made once."""
     import ast
     import json
 
@@ -189,20 +203,21 @@ def megatron_main_site(git_dir, destination_root, commit="HEAD"):
     target = Path(destination_root) / short
     if (target / SNAPSHOT_FILE).exists():
         return target
+    tree = f"{full}:{root}" if root else full
     names = {}
-    for node in ast.parse(git("show", f"{full}:megatron/core/package_info.py")).body:
+    for node in ast.parse(git("show", f"{full}:{root + '/' if root else ''}{package}/package_info.py")).body:
         if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant):
             names.update({t.id: node.value.value for t in node.targets if isinstance(t, ast.Name)})
     version = f"{names['MAJOR']}.{names['MINOR']}.{names['PATCH']}{names['PRE_RELEASE']}+{short}"
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{short}-", dir=target.parent))
     try:
-        archive = subprocess.run(["git", "--git-dir", str(git_dir), "archive", full, "megatron/core"],
+        archive = subprocess.run(["git", "--git-dir", str(git_dir), "archive", tree, package],
                                  capture_output=True, check=True).stdout
         subprocess.run(["tar", "-x", "-C", str(staging)], input=archive, check=True)
-        info = staging / f"megatron_core-{version}.dist-info"
+        info = staging / f"{distribution.replace('-', '_')}-{version}.dist-info"
         info.mkdir()
-        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: megatron-core\nVersion: {version}\n")
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {distribution}\nVersion: {version}\n")
         (info / "top_level.txt").write_text("megatron\n")
         (info / "INSTALLER").write_text("mtp-overlay source snapshot\n")
         snapshot = dict(commit=full, short=short, date=date, version=version, source=str(git_dir))

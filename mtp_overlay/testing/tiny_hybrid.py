@@ -269,7 +269,7 @@ def _hybrid(pattern, parsed, *, seed, hidden_size, num_attention_heads, vocab_si
 def tp_independent_mamba_weights(model, seed):
     """Give every ``MambaMixer`` in ``model`` weights that do not depend on the TP size (in place).
 
-    megatron-core 0.19.2 draws conv1d, ``dt_bias`` and ``A_log`` on each TP rank from that rank's
+    megatron-core 0.19 draws conv1d, ``dt_bias`` and ``A_log`` on each TP rank from that rank's
     model-parallel RNG (``ssm/mamba_mixer.py:318,370``, ``get_cuda_rng_tracker().fork()``), and with
     ``use_cpu_initialization`` cuts in_proj's full weight into contiguous row blocks
     (``tensor_parallel/layers.py:184``) while its TP layout is per component: z, x, B, C and dt each

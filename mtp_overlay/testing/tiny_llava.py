@@ -1,6 +1,6 @@
 """A tiny stock-megatron-core LLaVAModel with an MTP HybridModel, its batches, and the combined-ids reference.
 
-Megatron-Bridge 0.6.2 builds Nemotron VL / Omni as megatron-core's ``LLaVAModel``
+Megatron-Bridge 0.6 builds Nemotron VL / Omni as megatron-core's ``LLaVAModel``
 (``models/multimodal/llava_model.py``; ``nemotron_omni_provider.py:333``): a language config with
 ``language_model_type="nemotron5-hybrid..."`` makes the language model a ``HybridModel``
 (``llava_model.py:236-254``, ``scatter_embedding_sequence_parallel=False``) whose MTP layers the
@@ -136,10 +136,14 @@ def language_config(hybrid_layer_pattern, *, hidden_size=64, num_attention_heads
 
 
 def build_tiny_mimo(*, seed=1234, hybrid_layer_pattern="*-*-/*-", vocab_size=128, max_sequence_length=64,
-                    **config_overrides):
+                    special_token_ids=None, **config_overrides):
     """megatron-core's ``MimoModel`` (``models/mimo/model/base.py``) around the same HybridModel, no
     modality encoders: its forward still hands the language model ``input_ids=None`` with the combined
-    ``decoder_input`` (``base.py:845-853``), so MTP meets the same missing ids."""
+    ``decoder_input`` (``base.py:845-853``), so MTP meets the same missing ids.
+
+    ``special_token_ids``: modality name -> token id (MimoModelConfig's); without an encoder for it,
+    its slots hold zero embeddings (``align_embeddings_by_token_positions`` places the text around
+    them): the combined layout of a batch with that modality, its embeddings aside."""
     import torch
     from megatron.core.models.hybrid.hybrid_model import HybridModel
     from megatron.core.models.mimo import MimoModel, MimoModelConfig
@@ -154,7 +158,8 @@ def build_tiny_mimo(*, seed=1234, hybrid_layer_pattern="*-*-/*-", vocab_size=128
         position_embedding_type="rope",
     ))
     torch.manual_seed(seed)
-    model = MimoModel(MimoModelConfig(language_model_spec=language, modality_submodules_spec={}, special_token_ids={}))
+    model = MimoModel(MimoModelConfig(language_model_spec=language, modality_submodules_spec={},
+                                      special_token_ids=dict(special_token_ids or {})))
     model.model_type = ModelType.encoder_or_decoder
     return model.to(_device())
 
@@ -164,7 +169,7 @@ OMNI_SOUND_TOKEN_INDEX = 126  # an id make_llava_batch's text may hold: callers 
 
 def build_bridge_omni(*, seed=1234, hybrid_layer_pattern="*-*-", mtp_hybrid_override_pattern="*-",
                       sound_context_token_id=OMNI_SOUND_TOKEN_INDEX):
-    """Megatron-Bridge 0.6.2's ``NemotronOmniModelProvider.provide()``, tiny, on this rank:
+    """Megatron-Bridge 0.6's ``NemotronOmniModelProvider.provide()``, tiny, on this rank:
     ``NemotronOmniModel`` around megatron-core's ``LLaVAModel`` (RADIO ViT, HybridModel with MTP).
 
     What it takes on a CPU (TP1; the provider is made directly, not from a Hugging Face config):

@@ -3,7 +3,7 @@
 megatron-core shards a TP parameter (``tensor_model_parallel``) along ``partition_dim`` in
 contiguous blocks, one per rank, except where several components are packed into one parameter
 and each is sharded on its own: there the parameter carries ``partition_sizes``, the per-rank
-size of every component along that dimension (0.19.2: Mamba's in_proj [z, x, B, C, dt] and conv1d
+size of every component along that dimension (0.19: Mamba's in_proj [z, x, B, C, dt] and conv1d
 [x, B, C], ``ssm/mamba_mixer.py:304,341``; its resharding planner reads the same attribute,
 ``resharding/planner.py:146``). Comparing gradients across TP sizes, or drawing TP-independent
 weights, needs the full tensor in the TP1 layout.

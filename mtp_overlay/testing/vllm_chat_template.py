@@ -180,10 +180,58 @@ def cases(model_config, template, work, public):
                            "OpenAIServingChat": {"default_chat_template_kwargs": {"enable_thinking": True}}},
             chat_template=template),
         "subclasses": subclass_case(model_config, template),
+        "reread": reread_case(model_config, work),
+        "rebuild": rebuild_case(model_config, template),
     }
     observed["bad"] = {name: bad_input_case(model_config, unprivileged, **kwargs)
                        for name, (kwargs, unprivileged) in bad_inputs(work, public).items()}
     return observed
+
+
+def reread_case(model_config, work):
+    """A server built on a template file, the file rewritten, then a second server (a new engine) built
+    on the same path, as an RL framework restarts its in-process server: what each stores and renders."""
+    path = work / "rewritten.jinja"
+    path.write_text(vs.FILE_TEMPLATE)
+    first = server_case(model_config, chat_template=str(path))
+    path.write_text(OTHER_TEMPLATE)
+    return {"first": first, "second": server_case(model_config, chat_template=str(path))}
+
+
+def rebuild_case(model_config, template):
+    """The consumers rebuilt on one live engine (one vLLM renderer) with another template and kwargs, as
+    an RL framework rebuilds its in-process server between runs: after the old ones are dropped, while
+    the rebuilt ones are still referenced, and after `reset` of the server. The failed attempt builds
+    nothing that stays alive; the old consumers keep what they were built with."""
+    import gc
+
+    server = vs.Server(model_config)
+    thinking = {"enable_thinking": True}
+    gc.disable()  # no automatic collection: only the fix itself can find out that the old consumers are gone
+    try:
+        old = server.build_all({"OnlineRenderer": {"default_chat_template_kwargs": THINKING_OFF}},
+                               chat_template=str(template))
+        observed = {"old": consumer_view(old)}
+        del old  # OnlineDerenderer stays in a reference cycle: garbage, not yet collected
+        rebuilt = attempt(server.build_all, chat_template=OTHER_TEMPLATE, default_chat_template_kwargs=thinking)
+    finally:
+        gc.enable()
+    if "error" in rebuilt:
+        return {**observed, "after_drop": rebuilt}
+    alive = rebuilt["value"]
+    observed["after_drop"] = {"consumers": consumer_view(alive), **renders(alive, model_config.is_multimodal_model)}
+    observed["while_alive"] = attempt(lambda: consumer_view(server.build_all(chat_template=str(template))))
+    observed["reset"] = attempt(_reset, server.renderer)
+    again = attempt(server.build_all, chat_template=str(template))
+    observed["after_reset"] = {"consumers": consumer_view(again["value"])} if "value" in again else again
+    observed["kept"] = consumer_view(alive)
+    return observed
+
+
+def _reset(renderer):
+    from mtp_overlay.fixes.vllm_chat_template import reset
+
+    reset(renderer)
 
 
 def subclass_case(model_config, template):

@@ -2,9 +2,9 @@
 target and vLLM's real NemotronHMTP drafter.
 
 What runs is vLLM's: ``Worker.start_weight_update / start_draft_weight_update / update_weights /
-finish_weight_update / supports_draft_weight_updates`` (0.33.0 ``v1/worker/gpu_worker.py:1167,
+finish_weight_update / supports_draft_weight_updates`` (0.33 ``v1/worker/gpu_worker.py:1167,
 1542-1660``); both GPU model runners' ``get_model / get_draft_model / reset_lora_state /
-reload_weights / execute_model`` (Model Runner V2, ``v1/worker/gpu/model_runner.py``, is 0.33.0's
+reload_weights / execute_model`` (Model Runner V2, ``v1/worker/gpu/model_runner.py``, is 0.33's
 default for NemotronH with MTP; V1 is ``v1/worker/gpu_model_runner.py``); the weight-transfer engine,
 made by ``WeightTransferEngineFactory.create_engine`` as ``Worker.load_model`` makes it; vLLM's
 packed producer and consumer; the layerwise reload; the models, loaded by ``get_model`` and
@@ -165,7 +165,7 @@ class StopStep(Exception):
 
 class _StoppingPipelineHandler:
     """Model Runner V2's ``pp_handler`` as the bed hands it in: the first thing ``execute_model`` does
-    (``update_pp_decode_requests``, 0.33.0 ``v1/worker/gpu/model_runner.py:1210-1211``) is ask it for
+    (``update_pp_decode_requests``, 0.33 ``v1/worker/gpu/model_runner.py:1210-1211``) is ask it for
     the last step's sampled outputs; it stops the step there."""
 
     def get_prev_sampled_outputs(self):
@@ -208,7 +208,7 @@ def make_runner(bed, runner="v2"):
 def make_worker(bed, runner="v2", engine="nccl"):
     """vLLM's ``Worker`` made with ``__new__`` and given what its session methods read: the config, a
     `make_runner` runner, the engine ``WeightTransferEngineFactory`` makes for the runner's model (as
-    ``Worker.load_model`` does, 0.33.0 ``v1/worker/gpu_worker.py:606-611``), its rank, and the session
+    ``Worker.load_model`` does, 0.33 ``v1/worker/gpu_worker.py:606-611``), its rank, and the session
     flags, pipeline sends and profiler as ``Worker.__init__`` leaves them (``_weight_update_is_draft``
     only where vLLM has draft sessions); its ``execute_model`` reads the last two."""
     import torch
@@ -222,7 +222,7 @@ def make_worker(bed, runner="v2", engine="nccl"):
     runner_object = make_runner(bed, runner)
     transfer = WeightTransferEngineFactory.create_engine(
         config.weight_transfer_config, config, torch.device("cpu"), runner_object.get_model())
-    if engine == "nccl":  # what init_transfer_engine records from the trainer's init info (0.33.0)
+    if engine == "nccl":  # what init_transfer_engine records from the trainer's init info (0.33)
         transfer.model_update_group = HostCommunicator("cpu")
         if hasattr(transfer, "packed"):
             transfer.packed = True
@@ -242,7 +242,7 @@ def can_receive(worker):
 
 def update_info(worker, stream):
     """The NCCL engine's per-chunk update info for ``stream``: names, dtypes, shapes, and where the
-    release carries the wire parameters per chunk (vLLM 0.25.1; 0.33.0 takes them at init), those."""
+    release carries the wire parameters per chunk (vLLM 0.25.1; 0.33 takes them at init), those."""
     info = {"names": [name for name, _ in stream],
             "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in stream],
             "shapes": [list(t.shape) for _, t in stream]}
@@ -288,9 +288,9 @@ def session(worker, stream, draft=False, chunk=None):
 def execute_model_stopped(caller):
     """``caller.execute_model(SchedulerOutput.make_empty())``, ``caller`` a bed Worker or model runner,
     through the class attribute (a wrapper installed on it runs first). A Worker's own
-    ``execute_model`` runs up to its model runner's (0.33.0 ``v1/worker/gpu_worker.py:1334-1362``);
+    ``execute_model`` runs up to its model runner's (0.33 ``v1/worker/gpu_worker.py:1334-1362``);
     the runner's body stops at its first statement: V1's own state guard (``execute_model_state`` is
-    set: "State error", 0.33.0 ``gpu_model_runner.py:3911-3915``), V2's request-state update
+    set: "State error", 0.33 ``gpu_model_runner.py:3911-3915``), V2's request-state update
     (`_StoppingPipelineHandler`). Returns ``(exception, "vllm/<file>:<line>")`` (the last frame in
     vLLM's code) after checking that the traceback went through every ``execute_model`` on the way,
     each in its own vLLM module."""
@@ -386,7 +386,7 @@ def runner_kind(runner):
 
 
 # every name vLLM calls its layerwise reload by: the engines import it from reload/__init__ when
-# called, reload/inplace.py binds it at import (0.33.0), 0.25.1's V1 runner does (its reload_weights)
+# called, reload/inplace.py binds it at import (0.33), 0.25.1's V1 runner does (its reload_weights)
 LAYERWISE = {"initialize_layerwise_reload": "begin", "finalize_layerwise_reload": "end"}
 LAYERWISE_BINDINGS = ("vllm.model_executor.model_loader.reload.layerwise", "vllm.model_executor.model_loader.reload",
                       "vllm.model_executor.model_loader.reload.inplace", "vllm.v1.worker.gpu_model_runner")

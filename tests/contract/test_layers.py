@@ -26,7 +26,7 @@ LAYERS = (
     {"lifecycle"},
     {"fixes"},
     {"patching", "generated"},
-    {"registry", "scaffold"},
+    {"registry", "scaffold", "verification"},
     {"cli", "__init__"},
 )
 

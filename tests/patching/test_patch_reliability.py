@@ -12,9 +12,11 @@ from pathlib import Path
 
 import pytest
 from test_patching import MODULE, SECOND, leftovers, measured, only, patch, sha, site_copy, tree
-from pins import MEGATRON_CORE
+from pins import MEGATRON_CORE, VLLM
 
 from mtp_overlay.patching import transaction
+from mtp_overlay.patching.manifest import load
+from mtp_overlay.testing.releases import installed_site, link_installed
 
 CLI = [sys.executable, "-m", "mtp_overlay.cli"]
 
@@ -136,3 +138,39 @@ def test_a_reader_that_leaves_early_gets_no_traceback():
     reader.stdout.close()
     _, err = reader.communicate(timeout=120)
     assert b"Traceback" not in err and b"BrokenPipeError" not in err, err.decode()
+
+
+def test_an_edit_inside_one_hunk_of_a_seven_file_patch_names_that_file_and_the_rest_as_patched(tmp_path, capsys):
+    """vllm-chat-template's patch (7 files) applied to a private vLLM, then one line inside one applied
+    hunk edited: check, revert and apply each name that file as edited (with the patched sha256 it
+    should have) and the other six as patched, never "half-applied", and write nothing; undo the edit
+    and revert is byte-exact again."""
+    fix = "vllm-chat-template"
+    site = link_installed("vllm", tmp_path / "site")
+    assert patch(capsys, "apply", "--site-packages", str(site), "--only", fix)[0] == 0
+    edited = "vllm/entrypoints/serve/tokenize/serving.py"
+    source = (site / edited).read_text()
+    assert source.count("SERVER_CHAT_TEMPLATES.commit(\n") == 1  # a line the patch added
+    (site / edited).unlink()  # a new file: the link to the venv's copy is never written through
+    (site / edited).write_text(source.replace("SERVER_CHAT_TEMPLATES.commit(\n", "SERVER_CHAT_TEMPLATES.commit(  # local\n"))
+    before = tree(site)
+    images = load().images["vllm"][VLLM]  # {file: {applied fix ids: sha256}}
+    for action in ("check", "revert", "apply"):
+        code, [row] = patch(capsys, action, "--site-packages", str(site), "--only", fix)
+        assert code == 1 and row["state"] == "mismatch", (action, row)
+        assert row["action"] == (None if action == "check" else "refused"), action
+        states = {entry["path"]: entry["state"] for entry in row["files"]}
+        assert states.pop(edited) == "edited" and set(states.values()) == {"patched"} and len(states) == 6
+        assert "half-applied" not in row["reason"]
+        assert (f"{site / edited}: expected sha256 {images[edited][frozenset({fix})]} (vllm {row['version']} with this "
+                f"patch, as the other files carry it), found {sha(site / edited)} (edited since the patch)") in row["reason"]
+        assert "the other 6 file(s) carry the patch, as measured" in row["reason"]
+        assert tree(site) == before, action
+    (site / edited).write_text(source)  # the edit undone
+    code, [row] = patch(capsys, "revert", "--site-packages", str(site), "--only", fix)
+    assert (code, row["action"], row["state"]) == (0, "reverted", "needed")
+    assert {entry["state"] for entry in row["files"]} == {"unpatched"}
+    venv = installed_site("vllm")
+    assert all(sha(site / entry["path"]) == sha(venv / entry["path"]) == images[entry["path"]][frozenset()]
+               for entry in row["files"])
+

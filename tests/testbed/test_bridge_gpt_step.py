@@ -1,5 +1,5 @@
 """Megatron-Bridge's own training step (``gpt_step.forward_step``) on the test bed, and its three MTP
-defects shown on stock Bridge 0.6.2 (``mtp_overlay.testing.bridge_step``).
+defects shown on stock Bridge 0.6 (``mtp_overlay.testing.bridge_step``).
 
 The fast tests check the CPU stand-ins this needs against their references: the scoped import
 stand-ins on throwaway importers and against Bridge's own import statements (read from its source),
@@ -344,7 +344,7 @@ def test_export_of_a_repeated_layer_provider_writes_the_repeats_as_the_depth(tp1
 @needs_bridge
 @needs_missing
 def test_vllm_nemotron_h_drafter_refuses_the_exported_config(tp1_bridge):
-    """vLLM 0.33.0's real NemotronHMTP asserts one MTP layer (nemotron_h_mtp.py:246-249): the exported
+    """vLLM 0.33's real NemotronHMTP asserts one MTP layer (nemotron_h_mtp.py:246-249): the exported
     config of the repeated-layer model does not build; the same config with depth 1, and the
     reference it was imported from, build its one shared layer."""
     pytest.importorskip("vllm")

@@ -12,5 +12,7 @@ def test_demo_shows_each_fix_off_and_on_and_keeps_rank_noise_in_its_log(tmp_path
     assert "fix off: CRASH: RuntimeError: Sizes of tensors must match" in text and "(matches TP1)" in text
     assert "(only the response tokens)" in text and "(prompts and the filtered sample too)" in text
     assert "pairs wrong or missed)" in text and "(all right)" in text
+    assert "fix off: CRASH: TypeError: embedding(): argument 'indices'" in text
+    assert "(exactly those, no image slot)" in text
     assert "DEPRECATED" not in text and "W1201" not in text
     assert "GPTModel IS DEPRECATED" in log.read_text()  # where the ranks' output went

@@ -27,7 +27,7 @@ ROWS = {
     "same": ((9, 12, 6, 4), (12, 9, 4, 6), (6, 4, 12, 9)),
     "variable": ((9, 12, 6, 4), (5, 7, 11), (3, 14, 8, 2)),
 }
-# variable_seq_lengths needs the alltoall MoE dispatcher in megatron-core 0.19.2's config check,
+# variable_seq_lengths needs the alltoall MoE dispatcher in megatron-core 0.19's config check,
 # MoE or not (transformer/transformer_config.py:2644-2649)
 VARIABLE = dict(variable_seq_lengths=True, moe_token_dispatcher_type="alltoall")
 VOCAB = 128  # the tiny models' vocabulary: token id VOCAB is out of range

@@ -232,7 +232,7 @@ print(json.dumps({"fixes": sorted({".".join(name.split(".")[:3]) for name in sys
 """ % (MEGATRON_TARGETS,)
 
 
-@pytest.mark.parametrize("interpreter", ["forked", "subprocess"])
+@pytest.mark.parametrize("interpreter", ["forked", pytest.param("subprocess", marks=pytest.mark.slow)])  # two interpreter starts
 def test_a_fresh_interpreter_installs_exactly_the_fixes_asked_for(interpreter):
     """run_python(fixes=...): ``[]`` a stock interpreter (every target imported, no fix module), a list
     exactly those, None what ``import mtp_overlay`` installs there (the environment's choice), as

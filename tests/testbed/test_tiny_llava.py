@@ -1,6 +1,6 @@
 """megatron-core's LLaVAModel with an MTP HybridModel in the test bed (mtp_overlay.testing.tiny_llava).
 
-What a fix for MTP on multimodal models is judged by, checked here on stock megatron-core 0.19.2:
+What a fix for MTP on multimodal models is judged by, checked here on stock megatron-core 0.19:
 
 * the CPU stand-ins of LLaVAModel's construction, each needed (the build fails without it) and
   checked against a reference;
@@ -285,7 +285,7 @@ def _preprocess(llava, reference, batch, tiles):
 
 
 def omni_cases():
-    """Rank worker (TP1): the Bridge 0.6.2 Nemotron Omni provider's LLaVAModel, text-only, with and without MTP."""
+    """Rank worker (TP1): the Bridge 0.6 Nemotron Omni provider's LLaVAModel, text-only, with and without MTP."""
     from mtp_overlay.testing import tiny_llava
 
     batch = _batch([[], []])

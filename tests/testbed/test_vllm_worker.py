@@ -1,4 +1,4 @@
-"""The vLLM Worker test bed (mtp_overlay.testing.vllm_worker): vLLM 0.33.0's own weight-update
+"""The vLLM Worker test bed (mtp_overlay.testing.vllm_worker): vLLM 0.33's own weight-update
 sessions on CPU with the tiny NemotronH target and the real NemotronHMTP drafter, and the stale
 drafter they leave on stock.
 
@@ -71,7 +71,7 @@ def test_the_worker_runs_vllms_own_session_methods_runner_and_engine(bed, runner
     assert worker.weight_transfer_engine.model is bed.target and worker.supports_draft_weight_updates()
     # vLLM's load_eagle_model shares the target's embedding and LM head with the drafter
     assert bed.drafter.model.embed_tokens is bed.target.model.embed_tokens and bed.drafter.lm_head is bed.target.lm_head
-    assert bed.config.use_v2_model_runner  # 0.33.0 runs NemotronH + MTP on Model Runner V2 by default
+    assert bed.config.use_v2_model_runner  # 0.33 runs NemotronH + MTP on Model Runner V2 by default
 
 
 def test_the_checkpoint_holds_the_target_and_the_mtp_head_which_the_target_drops(bed):
@@ -155,7 +155,7 @@ def test_every_engine_builds_on_cpu_and_those_without_draft_sessions_refuse_them
 
 
 def test_which_refits_go_through_the_layerwise_reload_of_the_target(bed):
-    """vLLM 0.33.0: every target session of a checkpoint-format engine and reload_weights; not the
+    """vLLM 0.33: every target session of a checkpoint-format engine and reload_weights; not the
     sparse patches (in place) nor m2n without fallback entries; never a direct load_weights."""
     found = {engine: run_sequence(bed, ("target",), engine=engine)[0].layerwise for engine in ENGINES}
     assert found == {"nccl": [("begin", "target"), ("end", "target")], "ipc": [("begin", "target"), ("end", "target")],
@@ -166,7 +166,7 @@ def test_which_refits_go_through_the_layerwise_reload_of_the_target(bed):
 
 @pytest.mark.parametrize("runner", RUNNERS)
 def test_vllm_resets_the_runners_lora_state_once_per_target_refit_and_never_for_the_drafter(bed, runner):
-    """vLLM 0.33.0 calls ``reset_lora_state`` where the target's weights were replaced: after a
+    """vLLM 0.33 calls ``reset_lora_state`` where the target's weights were replaced: after a
     target session (``Worker.finish_weight_update``) and in ``reload_weights``, once each; V2's
     override calls the mixin's once (``super()``)."""
     from unittest import mock

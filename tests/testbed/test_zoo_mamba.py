@@ -1,7 +1,7 @@
 """Mamba ('M') layers on the real path: megatron-core's own MambaLayer / MambaMixer, kernels stood in.
 
 The tiny HybridModel ``"M*M-/M*-"`` (Mamba, attention, Mamba, MLP; one MTP depth of Mamba, attention,
-MLP) is built from megatron-core 0.19.2's own classes; only the ``mamba_ssm`` kernels, which have no
+MLP) is built from megatron-core 0.19's own classes; only the ``mamba_ssm`` kernels, which have no
 CPU build, are replaced by the pure-torch stand-ins of ``cpu_shims.mamba_shims`` (checked against
 the recurrence in test_mamba_stand_ins.py). It trains through Megatron's own step
 (``megatron_step.MegatronStep``: DDP, ``get_forward_backward_func``, ``finalize_model_grads``) on one

@@ -11,7 +11,15 @@ from packaging.version import Version
 from pins import MEGATRON_CORE
 
 from mtp_overlay import declarations, registry
-from mtp_overlay.testing.releases import copy_installed, megatron_main_site, run_with_release, snapshot_of
+from mtp_overlay.contract import distribution_version
+from mtp_overlay.testing.bridge import import_stand_ins
+from mtp_overlay.testing.releases import (
+    bridge_main_site,
+    copy_installed,
+    megatron_main_site,
+    run_with_release,
+    snapshot_of,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 PATCH = ROOT / "patches" / "mtp-sp-scatter" / "megatron-core" / "0.19.patch"
@@ -26,7 +34,9 @@ def committed_matrix():
 
 def test_committed_support_matrix_is_current_for_the_default_pins():
     table = committed_matrix()
-    for row in registry.check():
+    with import_stand_ins():  # as scripts/support_matrix.py measures: Bridge's targets through the test bed
+        rows = registry.check()
+    for row in rows:
         if row.version is None:
             continue
         key = (row.name, row.version)
@@ -199,3 +209,100 @@ def test_support_matrix_measures_only_the_fixes_asked_for_and_keeps_the_rest(sup
     assert remeasured and all(" | again | " in line for line in remeasured)  # its main row kept: no snapshot
     names = [line.split(" | ")[0][2:] for line in rows]
     assert names == sorted(names, key=declarations.names().index)  # every fix's rows, in the declarations' order
+
+
+def make_megatron_bridge(root):
+    """A git repository shaped like Megatron-Bridge: src/megatron/bridge with a package_info.py."""
+    bridge = root / "src" / "megatron" / "bridge"
+    bridge.mkdir(parents=True)
+    (bridge / "__init__.py").write_text("from .package_info import __version__\n")
+    (bridge / "package_info.py").write_text("MAJOR = 0\nMINOR = 98\nPATCH = 0\nPRE_RELEASE = ''\n"
+                                            "__version__ = '0.98.0'\n")
+    (root / "README.md").write_text("not part of the package\n")
+
+    def git(*args):
+        return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=root,
+                              check=True, capture_output=True, text=True).stdout.strip()
+
+    git("init", "-q")
+    git("add", ".")
+    git("commit", "-q", "-m", "snapshot")
+    return root / ".git", git("rev-parse", "HEAD")
+
+
+def test_bridge_main_snapshot_imports_as_megatron_bridge_with_a_local_version(tmp_path):
+    git_dir, commit = make_megatron_bridge(tmp_path / "Megatron-Bridge")
+    site = bridge_main_site(git_dir, tmp_path / "snapshots")
+    facts = snapshot_of(site)
+    assert facts["commit"] == commit and facts["version"] == f"0.98.0+{facts['short']}"
+    assert sorted(path.name for path in site.iterdir()) == [
+        "SNAPSHOT.json", "megatron", f"megatron_bridge-{facts['version']}.dist-info"]
+    code = ("import importlib.metadata as m, megatron.bridge as b, megatron.core as c; "
+            "print(m.version('megatron-bridge'), b.__version__, b.__file__, c.__file__)")
+    version, package_version, where, core = run_with_release(site, code).stdout.split()
+    assert version == facts["version"] and package_version == "0.98.0" and where.startswith(str(site))
+    assert not core.startswith(str(site))  # megatron-core stays the venv's
+
+
+def test_support_matrix_measures_one_distribution_and_keeps_every_other_row(support_matrix, monkeypatch, tmp_path):
+    """--distribution megatron-bridge --bridge-main: the Bridge rows (releases, then main, labelled with the
+    megatron-core it ran on) are measured; every other row of the file stays byte for byte."""
+    git_dir, _ = make_megatron_bridge(tmp_path / "Megatron-Bridge")
+    site = bridge_main_site(git_dir, tmp_path / "snapshots")
+    facts = snapshot_of(site)
+    monkeypatch.setattr(support_matrix, "RELEASES", {"megatron-bridge": ["0.6.0"]})
+    monkeypatch.setattr(support_matrix, "fixes_by_distribution", lambda: {
+        "megatron-core": ["mtp-sp-scatter", "mtp-loss-mask"], "megatron-bridge": ["bridge-mtp-off"]})
+    sites = []
+
+    def measure(distribution, where, names=None):
+        sites.append((distribution, where))
+        version = facts["version"] if where == str(site) else "0.6.0"
+        return [dict(name="bridge-mtp-off", distribution=distribution, version=version, verdict="needed", reason="r",
+                     run="needed: e")]
+
+    monkeypatch.setattr(support_matrix, "measure", measure)
+    before = [line for line in support_matrix.SUPPORT.read_text().splitlines() if line.startswith("| mtp-")]
+    support_matrix.main(["--distribution", "megatron-bridge", "--bridge-main", str(site)])
+    assert sites == [("megatron-bridge", "site-0.6.0"), ("megatron-bridge", str(site))]
+    lines = support_matrix.SUPPORT.read_text().splitlines()
+    assert [line for line in lines if line.startswith("| mtp-")] == before
+    core = distribution_version("megatron-core")
+    label = f"Megatron-Bridge main @ {facts['short']} ({facts['date']}) on megatron-core {core}"
+    assert [line.split(" | ")[2] for line in lines if line.startswith("| bridge-")] == ["0.6.0", label]
+    with pytest.raises(SystemExit, match=r"--distribution: no fix targets \['ray'\]"):
+        support_matrix.main(["--distribution", "ray"])
+
+
+BRIDGE_FIXES = ("bridge-sft-mtp-mask", "bridge-mtp-export", "bridge-mtp-off")
+
+
+@pytest.mark.slow
+def test_check_lists_the_bridge_fixes_as_needed_on_the_pinned_bridge():
+    """`mtp-overlay check` in a fresh interpreter. On a machine without Transformer Engine
+    ``import megatron.bridge`` fails (peft/lora_layers.py imports it unguarded): plain ``check`` says
+    so, unsupported; ``check --run`` imports the targets as the test bed's stock runs do (its scoped
+    stand-ins for Bridge's missing optional packages) and finds each needed, the stock run agreeing."""
+    import importlib.util
+    import json
+
+    from pins import MEGATRON_BRIDGE
+
+    if importlib.util.find_spec("megatron.bridge") is None:
+        pytest.skip("megatron-bridge is not installed")
+    only = [argument for name in BRIDGE_FIXES for argument in ("--only", name)]
+
+    def check(*extra):
+        result = overlay("", "check", "--json", *only, *extra)
+        return result.returncode, {row["name"]: row for row in json.loads(result.stdout)}
+
+    code, rows = check()
+    assert {row["version"] for row in rows.values()} == {MEGATRON_BRIDGE}
+    if importlib.util.find_spec("transformer_engine") is None:
+        assert code == 1 and {row["verdict"] for row in rows.values()} == {"unsupported"}
+        assert all("No module named 'transformer_engine'" in row["reason"] for row in rows.values())
+    else:
+        assert code == 0 and {row["verdict"] for row in rows.values()} == {"needed"}
+    code, rows = check("--run")
+    assert code == 0 and {name: row["verdict"] for name, row in rows.items()} == dict.fromkeys(BRIDGE_FIXES, "needed")
+    assert {name: row["run"]["outcome"] for name, row in rows.items()} == dict.fromkeys(BRIDGE_FIXES, "needed")

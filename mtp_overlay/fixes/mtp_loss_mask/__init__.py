@@ -83,6 +83,7 @@ class LossMaskFix(Fix):
 
     def wrappers(self, module: "ModuleType") -> "Iterator[tuple[object, str, Callable[..., Any]]]":
         from ... import mtp
+        from ..mtp_multimodal.scope import inject  # fix mtp-multimodal's combined inputs: this same wrapper
 
         cls, forward = _forward(module)
         assert forward is not None, "probed first"
@@ -93,6 +94,7 @@ class LossMaskFix(Fix):
 
         def forward_with_loss_mask(wrapped: "Callable[..., Any]", instance: "Any", args: "tuple[Any, ...]",
                                    kwargs: "dict[str, Any]") -> "Any":
+            args, kwargs = inject(instance, args, kwargs, at)  # a multimodal forward's combined ids and mask
             loss_mask, scoped = read(args, kwargs, "loss_mask"), mtp.scoped_loss_mask()
             mtp_on = mtp.mtp_enabled(instance)
             if loss_mask is None and scoped is not None and mtp_on:

@@ -10,7 +10,9 @@ text, every multimodal placeholder is lost, and the consumers each keep their ow
 resolves the template in the classes.
 
 The hook wraps each class's ``__init__`` (`resolve.construct`); OpenAIServingChat's other subclasses
-(OpenAIServingChatBatch, CohereServingChatV2) go through their parent's.
+(OpenAIServingChatBatch, CohereServingChatV2) go through their parent's. Each construction reads the
+template file anew, as each `vllm serve` start does, and a server's consumers can be rebuilt on a
+live engine with other values once the old ones are gone (`reset` when they are still referenced).
 """
 
 from ...calls import original
@@ -37,6 +39,29 @@ CONSUMERS = {
 }
 LOADER = "load_chat_template"
 PARAMETERS = ("chat_template", "default_chat_template_kwargs")
+# where a vLLM carrying the fix's source patch keeps its servers' values (0.33, 0.25)
+PATCHED_SERVERS = ("vllm.renderers.chat_utils.chat_template", "vllm.entrypoints.chat_utils")
+
+
+def reset(renderer: "Any" = None) -> None:
+    """Forget the chat template and template kwargs fixed for the server on ``renderer`` (a vLLM
+    renderer: ``engine_client.renderer``, what its consumers share), or for every server when None:
+    the next consumer built on it fixes new ones.
+
+    A rebuild needs it only while the old consumers are still referenced (kept in an app state, a
+    list, a traceback): once they are garbage, a rebuild with other values just works. The consumers
+    already built keep what they were built with. Resets the runtime hook and, where vLLM carries the
+    source patch (patches/vllm-chat-template/), the patched vLLM's own record; imports nothing.
+    """
+    import sys
+
+    hooked = sys.modules.get(f"{__name__}.resolve")
+    if hooked is not None:
+        hooked.SERVERS.reset(renderer)
+    for name in PATCHED_SERVERS:
+        patched = getattr(sys.modules.get(name), "SERVER_CHAT_TEMPLATES", None)
+        if patched is not None:
+            patched.reset(renderer)
 
 
 def consumer(module: "ModuleType", role: str) -> "tuple[type, str] | str":
@@ -59,14 +84,15 @@ class VllmChatTemplateFix(Fix):
     declaration = DECLARATION  # one target per consumer class (CONSUMERS): its __init__
 
     def probe(self, module: "ModuleType") -> Verdict:
-        from .resolve import LOADER_MODULES, vllm_loader
+        from .resolve import LOADER_MODULES, UNCACHED_LOADER, vllm_loader
 
         found = consumer(module, self.role_of(module))
         if isinstance(found, str):
             return drifted(found)
         owner, _ = found
         if vllm_loader() is None:
-            return drifted(f"none of {', '.join(LOADER_MODULES)} defines {LOADER}")
+            return drifted(f"none of {', '.join(LOADER_MODULES)} defines {LOADER} next to its uncached "
+                           f"body {UNCACHED_LOADER}")
         init = vars(owner)["__init__"]
         if Marker(module.__name__, f"{owner.__name__}.__init__", LOADER).in_function(init):
             return redundant(f"{owner.__name__}.__init__ already calls {LOADER} (upstream, or patched on disk)")

@@ -3,18 +3,22 @@
 Loaded on the first hooked construction, never by ``import mtp_overlay``. Three steps, all before the
 upstream constructor runs, so bad input raises with nothing built:
 
-1. ``chat_template``: a path (str or os.PathLike) becomes the file's text through vLLM's own
-   ``load_chat_template``, as the CLI's ``load_chat_template(args.chat_template)``; Jinja text passes
-   through it unchanged.
+1. ``chat_template``: a path (str or os.PathLike) becomes the file's text through vLLM's own loader,
+   as the CLI's ``load_chat_template(args.chat_template)``, read at each construction: `vllm serve`
+   reads the file at each start, while ``load_chat_template`` is an ``lru_cache`` by path that would
+   serve a rewritten file's old text to the next server built in the same process. Jinja text
+   passes through it unchanged.
 2. ``default_chat_template_kwargs``: the legacy spelling ``chat_template_kwargs`` is renamed to it;
    when both are given the native one wins (OverlayWarning); absent is ``{}``.
 3. One server, one value: consumers built on the same vLLM renderer share the template and the kwargs
-   (see `ServerDefaults`).
+   (see `ServerDefaults`), until they are gone and the server is rebuilt.
 """
 
+import gc
 import importlib
 import inspect
 import os
+import sys
 import threading
 import warnings
 import weakref
@@ -25,10 +29,14 @@ from ...contract import OverlayWarning
 
 NATIVE, LEGACY = "default_chat_template_kwargs", "chat_template_kwargs"
 LOADER_MODULES = ("vllm.renderers.chat_utils", "vllm.entrypoints.chat_utils")  # vLLM 0.33.0, 0.25.1
+UNCACHED_LOADER = "_load_chat_template"
 
 
 def vllm_loader():
-    """vLLM's ``load_chat_template`` (the function its CLI calls), or None when no module has it."""
+    """vLLM's chat-template loader without its cache: ``_load_chat_template``, the body of the
+    ``load_chat_template`` its CLI calls (``_cached_load_chat_template = lru_cache(_load_chat_template)``:
+    vLLM 0.33.0 ``renderers/chat_utils/chat_template.py:56,104``, 0.25.1 ``entrypoints/chat_utils.py:1284,1332``),
+    from the module that defines it; None when no module has both."""
     for name in LOADER_MODULES:
         try:
             module = importlib.import_module(name)
@@ -36,7 +44,9 @@ def vllm_loader():
             continue
         loader = getattr(module, "load_chat_template", None)
         if loader is not None:
-            return loader
+            home = sys.modules.get(getattr(loader, "__module__", ""), module)
+            uncached = getattr(home, UNCACHED_LOADER, None)
+            return uncached if callable(uncached) else None
     return None
 
 
@@ -99,6 +109,15 @@ def template_kwargs(native, legacy, consumer):
     return dict(value)
 
 
+class _Server:
+    """One server's values ({name: (value, consumer that fixed it)}) and its live consumers."""
+
+    __slots__ = ("values", "consumers")
+
+    def __init__(self):
+        self.values, self.consumers = {}, weakref.WeakSet()
+
+
 class ServerDefaults:
     """The chat template and default template kwargs of each server, keyed by its vLLM renderer.
 
@@ -111,48 +130,87 @@ class ServerDefaults:
 
     The first consumer built on a renderer fixes its values (a value it was not given: the model's
     own template, ``{}``). A later consumer that is given none inherits them; one given a different
-    value is refused: two templates on one server is the bug, not a choice to honour silently.
+    value is refused while any consumer built with the old ones is alive: two templates on one
+    server is the bug, not a choice to honour silently. Once they are all gone the server is gone,
+    and the next consumer on that renderer (a server rebuilt in-process on a live engine, as RL
+    frameworks do between runs) fixes new values, as a new `vllm serve` would. "Gone" is known by
+    weak references; before refusing, the garbage collector runs once, since consumers hold
+    reference cycles (OnlineDerenderer's bound methods in ``make_async``) only it frees. `reset`
+    forgets a server whose old consumers are still referenced somewhere.
     Construction holds ``lock``, so resolving, building and recording are one step per consumer.
     """
 
     def __init__(self):
         self.lock = threading.RLock()
-        self._servers = weakref.WeakKeyDictionary()  # renderer -> {"chat_template"|NATIVE: (value, consumer)}
+        self._servers = weakref.WeakKeyDictionary()  # renderer -> _Server
 
-    def _entry(self, renderer, create=False):
-        """{name: (value, consumer that fixed it)} of the server on ``renderer``: None when there is
-        none (or, ``renderer`` not weakly referenceable, e.g. None, when there can be none)."""
+    def _server(self, renderer, create=False):
+        """The live server on ``renderer`` (a new one with ``create``), or None (``renderer`` not weakly
+        referenceable, e.g. None: there can be none)."""
         try:
-            return self._servers.setdefault(renderer, {}) if create else self._servers.get(renderer)
+            server = self._servers.get(renderer)
+            if create and (server is None or not server.consumers):
+                server = self._servers[renderer] = _Server()
         except TypeError:
             return None
+        return server if server is not None and (create or server.consumers) else None
 
     def resolve(self, renderer, consumer, template, kwargs):
         """The (template, kwargs) ``consumer`` must be built with; None means "not given"."""
-        entry = self._entry(renderer) or {}
+        server = self._server(renderer)
+        if server is not None and self._conflict(server, template, kwargs):
+            gc.collect()  # consumers hold reference cycles: only the collector knows whether they are gone
+            server = self._server(renderer)
+        fixed = server.values if server is not None else {}
         resolved = []
         for name, value, default in (("chat_template", template, None), (NATIVE, kwargs, {})):
-            if name not in entry:
+            if name not in fixed:
                 resolved.append(default if value is None else value)
                 continue
-            fixed, owner = entry[name]
-            if value is not None and value != fixed:
+            was, owner = fixed[name]
+            if value is not None and value != was:
+                alive = ", ".join(sorted(type(each).__name__ for each in server.consumers))
                 raise ValueError(
-                    f"{consumer}: {name}={_brief(value)} differs from {_brief(fixed)}, which {owner} was "
-                    f"built with on the same vLLM renderer; one server renders every route with one "
-                    f"value, as `vllm serve` does: pass the same {name} to each consumer, or None to inherit it"
+                    f"{consumer}: {name}={_brief(value)} differs from {_brief(was)}, which {owner} was "
+                    f"built with on the same vLLM renderer, and consumers built with it are alive ({alive}); "
+                    f"one server renders every route with one value, as `vllm serve` does: pass the same "
+                    f"{name} to each consumer, or None to inherit it; to rebuild the server with another "
+                    f"value, drop its old consumers first, or {RESET}"
                 )
-            resolved.append(fixed)
+            resolved.append(was)
         return tuple(resolved)
 
-    def commit(self, renderer, consumer, template, kwargs):
-        """Record the values a consumer was built with, unless its server has them already."""
-        entry = self._entry(renderer, create=True)
-        if entry is not None:
-            entry.setdefault("chat_template", (template, consumer))
-            entry.setdefault(NATIVE, (kwargs, consumer))
+    @staticmethod
+    def _conflict(server, template, kwargs):
+        given = {"chat_template": template, NATIVE: kwargs}
+        return any(given[name] is not None and given[name] != was for name, (was, _) in server.values.items())
+
+    def commit(self, renderer, instance, template, kwargs):
+        """Record the values consumer ``instance`` was built with, unless its server has them already."""
+        server = self._server(renderer, create=True)
+        if server is None:
+            return
+        consumer = type(instance).__name__
+        server.values.setdefault("chat_template", (template, consumer))
+        server.values.setdefault(NATIVE, (kwargs, consumer))
+        try:
+            server.consumers.add(instance)
+        except TypeError:  # not weakly referenceable: it cannot keep the server alive
+            pass
+
+    def reset(self, renderer=None):
+        """Forget the values of the server on ``renderer`` (of every server when None)."""
+        with self.lock:
+            if renderer is None:
+                self._servers.clear()
+                return
+            try:
+                self._servers.pop(renderer, None)
+            except TypeError:
+                pass
 
 
+RESET = "call mtp_overlay.fixes.vllm_chat_template.reset(renderer) to forget its values"
 SERVERS = ServerDefaults()
 
 
@@ -181,5 +239,5 @@ def construct(wrapped, instance, args, kwargs, parameter):
         template, defaults = SERVERS.resolve(renderer, consumer, template, given)
         kwargs["chat_template"], kwargs[NATIVE] = template, defaults
         result = wrapped(*args, **kwargs)
-        SERVERS.commit(renderer, consumer, template, defaults)
+        SERVERS.commit(renderer, instance, template, defaults)
     return result

@@ -1,48 +1,67 @@
 """vllm-mtp-drafter-load: a refit that leaves vLLM's MTP drafter stale is reported, not silently accepted.
 
-vLLM's MTP drafters skip every checkpoint name they do not recognise without a word:
-``NemotronHMTP.load_weights`` reads only ``mtp.*`` (after ``language_model.`` in 0.33.0, not at all
-in 0.25.1), ``DeepSeekMTP.load_weights`` only positional ``model.layers.<num_hidden_layers + i>.``.
-A refit whose MTP weights arrive in the other naming, or never arrive, returns normally and the
-drafter keeps its old head: acceptance falls and nobody is told (vLLM #43456: 0% acceptance from a
-silent skip; NeMo-RL PR #3494: "No MTP layer weights for layers [88] found" where the naming
-mismatch did fail loudly, a frozen drafter where it did not). vLLM's own completeness checks do not
-cover refits: the initial load's "weights were not initialized" check runs only in
-``DefaultModelLoader``, DeepSeek's per-call layer check is switched off by the weight-transfer engines
-(``disable_mtp_completeness_check``: a chunked refit fails it by design), and ``reload_weights`` warns
-only for the target model.
+Two ways a drafter goes stale without a word, one promise: the fix says so.
 
-The fix wraps the drafters' ``load_weights``: it observes the names of the stream as the drafter
-consumes it (no tensor is touched or copied) and the set of parameter names the drafter returns, and
-adds them up over one *refit*. A refit ends with a report when some of the drafter's MTP parameters
-were never loaded, or when MTP checkpoint names (either naming, `mtp_overlay.mtp.refit.mtp_layer_of`)
-were dropped: skipped by the drafter's own name rule (``is_unused_checkpoint_weight``, DeepSeek's
-``get_spec_layer_idx_from_weight_name``) or, where it has none, nothing of their MTP layer was loaded. The report is an OverlayWarning (one per refit,
-numbered) or, strict, an OverlayError; `last_refit_report` returns it either way.
+1. A refit of the drafter that loads the wrong names (`accounting`). vLLM's MTP drafters skip every
+   checkpoint name they do not recognise: ``NemotronHMTP.load_weights`` reads only ``mtp.*`` (after
+   ``language_model.`` in 0.33.0, not at all in 0.25.1), ``DeepSeekMTP.load_weights`` only positional
+   ``model.layers.<num_hidden_layers + i>.``. A refit whose MTP weights arrive in the other naming, or
+   never arrive, returns normally and the drafter keeps its old head (vLLM #43456: 0% acceptance from a
+   silent skip; NeMo-RL PR #3494). A tensor longer than its layer is narrowed to the parameter by vLLM's
+   parallel loaders, also without a word. vLLM's own completeness checks do not cover refits: the
+   initial load's "weights were not initialized" check runs only in ``DefaultModelLoader``, DeepSeek's
+   per-call layer check is switched off by the weight-transfer engines (``disable_mtp_completeness_check``:
+   a chunked refit fails it by design), and ``reload_weights`` warns only for the target model.
 
-Where a refit begins and ends (vLLM calls ``load_weights`` once per chunk: NeMo-RL #2999):
+   The drafters' ``load_weights`` is wrapped; it observes the names and shapes of the stream as the
+   drafter consumes it (no tensor is read or copied) and the parameters it returns. A refit ends with a
+   report when some of the drafter's MTP parameters were never loaded, MTP checkpoint names (either
+   naming, `mtp_overlay.mtp.refit.mtp_layer_of`) were dropped (skipped by the drafter's own rule,
+   ``is_unused_checkpoint_weight`` / DeepSeek's ``get_spec_layer_idx_from_weight_name``, or, where it
+   has none, nothing of their MTP layer was loaded), or an MTP tensor's shape is not its layer's. Where a
+   refit begins and ends (vLLM calls ``load_weights`` once per chunk: NeMo-RL #2999): vLLM's layerwise
+   reload (``initialize_layerwise_reload`` / ``finalize_layerwise_reload`` of the drafter: its draft
+   sessions and, 0.25.1, ``reload_weights``), or `drafter_refit(drafter)` for trainers that call
+   ``load_weights`` themselves. Outside both every call is judged at its end (dropped names, shapes;
+   strict mode raises there, after vLLM loaded what it could) and the calls add up into an implicit
+   refit for "never loaded", ended by a call that repeats a name an earlier call sent (one name twice in
+   one call is one name).
 
-1. vLLM's reload lifecycle: ``initialize_layerwise_reload(drafter)`` begins, and
-   ``finalize_layerwise_reload(drafter, ...)`` ends it. vLLM 0.25.1 and 0.33.0 run every refit of
-   theirs between the two: ``reload_weights`` and the NCCL / IPC (and, 0.33.0, draft-session
-   ``start_draft_weight_update``) engines' ``start_weight_update`` / ``finish_weight_update``.
-2. `drafter_refit(drafter)`: a context manager for trainers that call ``load_weights`` chunk by chunk
-   themselves (NeMo-RL's collective / IPC update paths); nested blocks count as one refit.
-3. Otherwise (no refit open) calls accumulate into an implicit refit, which ends when a name it has
-   already seen arrives again (a trainer sends the same names every refit: the next refit has begun)
-   or at the next boundary of 1. or 2. It is reported then, one refit late; vLLM's initial load
-   (one ``load_weights`` call) is such a refit, closed silently by the first refit when complete.
+2. A target refit that never reaches the drafter (`freshness`): vLLM 0.28+ refits the target only; the
+   drafter needs its own session (``Worker.start_draft_weight_update``, vLLM PR #46725). Target refits
+   and drafter refreshes are counted per model runner; when the target is ahead, the next target
+   session start or the first ``execute_model`` after it says so, once per stale interval.
+   `refits_behind` and `status()` give the number, `mtp_overlay.mtp.rollout_mtp_metrics` logs it.
 
-Parameters counted: every parameter of the drafter except its (shared or copied) ``embed_tokens`` and
-``lm_head`` and quantization ``*_scale`` / ``zero_point`` parameters a checkpoint need not carry.
+A report is an OverlayWarning or, strict, an OverlayError; `last_refit_report` / `last_call_report`
+return it either way. Parameters counted: every parameter of the drafter except its (shared or copied)
+``embed_tokens`` and ``lm_head`` and quantization ``*_scale`` / ``zero_point`` parameters a checkpoint
+need not carry.
 """
 
-from _thread import RLock
-
-from ...calls import argument, with_argument
-from ...contract import Marker, OverlayError, OverlayWarning, Verdict, defined_in, drifted, needed, redundant
+from ...contract import Marker, Verdict, defined_in, drifted, needed, redundant
 from .. import Fix
+from . import freshness
+from .accounting import (
+    FUSED,
+    SHOWN,
+    DrafterShape,
+    RefitReport,
+    begin_on_reload,
+    begin_refit,
+    checked_load_weights,
+    counted,
+    discard_refit,
+    end_on_reload,
+    end_refit,
+    last_call_report,
+    last_refit_report,
+    shape_of,
+    skip_rule,
+)
 from .declaration import DECLARATION
+from .freshness import drafter_of, refits_behind, staleness
+from .tables import is_drafter
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -50,165 +69,22 @@ if TYPE_CHECKING:
     from types import ModuleType
     from typing import Any
 
+__all__ = ["FIX", "FUSED", "SHOWN", "DrafterShape", "RefitReport", "begin_refit", "checked_load_weights", "counted",
+           "discard_refit", "drafter_of", "drafter_refit", "end_refit", "is_drafter", "last_call_report",
+           "last_refit_report", "refits_behind", "shape_of", "skip_rule", "staleness"]
+
 # drafter target role -> the class its module defines, whose load_weights(self, weights) returns the
-# names of the parameters it loaded: NemotronHMTP (mtp.* naming), DeepSeekMTP (positional naming); the
-# other targets are vLLM's layerwise reload modules, whose begin/end bracket a refit
+# names of the parameters it loaded: NemotronHMTP (mtp.* naming), DeepSeekMTP (positional naming)
 DRAFTERS = {"drafter_nemotron_h": "NemotronHMTP", "drafter_deepseek": "DeepSeekMTP"}
+# vLLM's layerwise reload, whose begin/end bracket a refit (where it is defined, and where it is bound by name)
 BEGIN, END = "initialize_layerwise_reload", "finalize_layerwise_reload"
-SHOWN = 32  # names listed in a report's message; the report object holds them all
-
-_lock = RLock()
-# per drafter, made on first use (weakref is not imported at interpreter start: `import mtp_overlay`
-# stays cheap): "refits" -> open Refit, "shapes" -> DrafterShape, "reports" -> last RefitReport,
-# "counts" -> refits closed so far
-_tables: "dict[str, Any]" = {}
-
-
-def _table(name):
-    table = _tables.get(name)
-    if table is None:
-        import weakref
-
-        table = _tables[name] = weakref.WeakKeyDictionary()
-    return table
-
-
-class DrafterShape:
-    """What a drafter loads: its counted parameters, the MTP layer (from 0) each belongs to, and the
-    drafter's own rule for the checkpoint names it skips (None where it has none to ask)."""
-
-    __slots__ = ("num_hidden_layers", "num_mtp_layers", "layer_of", "skips")
-
-    def __init__(self, model):
-        import re
-
-        keys = sorted(int(key) for key in model.model.layers.keys())
-        first = keys[0] if keys else 0
-        self.num_hidden_layers = int(model.config.num_hidden_layers)
-        self.num_mtp_layers = len(keys)
-        in_layer = re.compile(r"model\.layers\.(\d+)\.")
-        self.layer_of = {}  # counted parameter -> MTP layer, None for one outside the layers
-        for name, _ in model.named_parameters():
-            if counted(name):
-                match = in_layer.match(name)
-                self.layer_of[name] = int(match.group(1)) - first if match else None
-        self.skips = skip_rule(model)
-
-
-def skip_rule(model):
-    """The drafter's own test for names it does not read: ``is_unused_checkpoint_weight`` (vLLM 0.33.0
-    NemotronHMTP), else the ``get_spec_layer_idx_from_weight_name`` its module's loop asks (DeepSeekMTP:
-    None means skipped); None when it has neither (vLLM 0.25.1 NemotronHMTP)."""
-    import sys
-
-    unused = getattr(model, "is_unused_checkpoint_weight", None)
-    if unused is not None:
-        return unused
-    spec_layer = getattr(sys.modules.get(type(model).__module__), "get_spec_layer_idx_from_weight_name", None)
-    if spec_layer is not None:
-        return lambda name: spec_layer(model.config, name) is None
-    return None
-
-
-def counted(parameter):
-    """Whether a refit must load ``parameter`` (not the shared embedding / head, not a quant scale)."""
-    parts = parameter.split(".")
-    last = parts[-1]
-    return not ("embed_tokens" in parts or parts[0] == "lm_head" or last.endswith("_scale") or last in ("scale", "zero_point"))
-
-
-def shape_of(model):
-    shapes = _table("shapes")
-    shape = shapes.get(model)
-    if shape is None:
-        shape = shapes[model] = DrafterShape(model)
-    return shape
-
-
-class Refit:
-    """What one refit has done so far: calls, names seen, MTP names with their layer, parameters loaded."""
-
-    __slots__ = ("boundary", "depth", "calls", "names", "seen", "mtp_names", "loaded")
-
-    def __init__(self, boundary):
-        self.boundary = boundary  # None: implicit
-        self.depth, self.calls, self.names = 1, 0, 0
-        self.seen, self.mtp_names, self.loaded = set(), [], set()
-
-
-class RefitReport:
-    """The outcome of one refit of one drafter; ``ok`` when nothing is missing or dropped."""
-
-    __slots__ = ("drafter", "number", "boundary", "calls", "names", "parameters", "missing", "dropped")
-
-    def __init__(self, model, refit, number):
-        shape = shape_of(model)
-        self.drafter, self.number, self.boundary = type(model).__name__, number, refit.boundary or "load_weights calls"
-        self.calls, self.names, self.parameters = refit.calls, refit.names, len(shape.layer_of)
-        self.missing = sorted(name for name in shape.layer_of if name not in refit.loaded)
-        loaded_layers = {shape.layer_of[name] for name in refit.loaded if name in shape.layer_of}
-        self.dropped = [name for name, layer, skipped in refit.mtp_names if skipped or layer not in loaded_layers]
-
-    @property
-    def ok(self):
-        return not self.missing and not self.dropped
-
-    def message(self):
-        parts = []
-        if self.missing:
-            parts.append(f"{len(self.missing)} of {self.parameters} MTP parameters never loaded: {_listed(self.missing)}")
-        if self.dropped:
-            parts.append(f"{len(self.dropped)} MTP checkpoint names dropped unrecognised: {_listed(self.dropped)}")
-        return (f"vLLM MTP drafter {self.drafter}, refit #{self.number} ({self.boundary}: {self.calls} load_weights "
-                f"call(s), {self.names} names): " + "; ".join(parts) + ". The drafter keeps its old MTP head "
-                "and rollout acceptance falls (vLLM #43456, NeMo-RL PR #3494); the drafter reads "
-                f"{_naming(self.drafter)}")
-
-    def __repr__(self):
-        return f"RefitReport({self.drafter}, #{self.number}, missing={len(self.missing)}, dropped={len(self.dropped)})"
-
-
-def _listed(names):
-    more = f" ... and {len(names) - SHOWN} more" if len(names) > SHOWN else ""
-    return ", ".join(names[:SHOWN]) + more
-
-
-def _naming(drafter):
-    return {"NemotronHMTP": "mtp.layers.<i>.* names", "DeepSeekMTP": "model.layers.<num_hidden_layers + i>.* names"}.get(
-        drafter, "its own checkpoint naming")
-
-
-# --- refit boundaries ------------------------------------------------------------------------
-def begin_refit(model, boundary="drafter_refit()"):
-    """Open an explicit refit of ``model`` (an implicit one still open is closed and reported first)."""
-    closed = None
-    with _lock:
-        refit = _table("refits").get(model)
-        if refit is not None and refit.boundary is not None:
-            refit.depth += 1
-            return
-        if refit is not None:
-            closed = _close(model)
-        _table("refits")[model] = Refit(boundary)
-    _emit(closed)
-
-
-def end_refit(model):
-    """Close the refit of ``model`` (its outermost level) and report it; returns the RefitReport or None."""
-    with _lock:
-        refit = _table("refits").get(model)
-        if refit is None:
-            return None
-        refit.depth -= 1
-        if refit.depth > 0:
-            return None
-    return _emit(_close(model))
-
-
-def discard_refit(model):
-    """Forget the open refit of ``model`` without a report (the refit itself failed)."""
-    with _lock:
-        _table("refits").pop(model, None)
+RELOAD_WRAPPERS = {BEGIN: begin_on_reload, END: end_on_reload}
+RELOADS = ("reload_layerwise", "reload", "reload_inplace")
+# the Worker's session methods, and the model runners' (V1 and Model Runner V2) refit and step
+WORKER = {"start_weight_update": freshness.on_target_session_start, "finish_weight_update": freshness.on_session_finish}
+RUNNER = {"reload_weights": freshness.on_reload_weights, "execute_model": freshness.on_execute_model}
+RUNNERS = ("runner_v1", "runner_v2")
+ENGINE_BASE = "vllm.distributed.weight_transfer.base"  # WeightTransferEngine.supports_draft_weight_update
 
 
 class drafter_refit:
@@ -249,122 +125,6 @@ def _no_code(*args):
     return None
 
 
-def last_refit_report(model):
-    """The RefitReport of the last refit of ``model`` that ended (None before the first)."""
-    return _table("reports").get(model)
-
-
-def _close(model):
-    """Close the open refit of ``model``: its RefitReport (stored; not yet emitted)."""
-    refit = _table("refits").pop(model)
-    counts = _table("counts")
-    number = counts[model] = counts.get(model, 0) + 1
-    report = _table("reports")[model] = RefitReport(model, refit, number)
-    return report
-
-
-def _emit(report):
-    if report is not None and not report.ok:
-        if FIX.lifecycle.strict:
-            raise OverlayError(f"mtp-overlay fix {FIX.name!r}: {report.message()}")
-        import warnings
-
-        warnings.warn(OverlayWarning(f"mtp-overlay fix {FIX.name!r}: {report.message()}"), stacklevel=4)
-    return report
-
-
-# --- the wrappers ----------------------------------------------------------------------------
-def _observed(model, refit, weights, closed):
-    """Yield the pairs of ``weights`` as they are, counting names into ``refit`` (the open refit of
-    ``model``); a name an implicit refit has seen already starts a new one (the old goes to ``closed``)."""
-    from ...mtp.refit import mtp_layer_of
-
-    shape = shape_of(model)
-    base, count, skips = shape.num_hidden_layers, shape.num_mtp_layers, shape.skips
-    in_this_call = 0
-    for pair in weights:
-        name = pair[0]
-        if refit.boundary is None and name in refit.seen:
-            if not in_this_call:  # the call that begins the next refit is not part of the old one
-                refit.calls -= 1
-            closed.append(_close(model))
-            refit = _table("refits")[model] = Refit(None)
-            refit.calls = 1
-        in_this_call += 1
-        refit.seen.add(name)
-        refit.names += 1
-        if "mtp" in name or "layers." in name:
-            found = mtp_layer_of(name, base, count)
-            if found is not None:
-                refit.mtp_names.append((name, found[1], skips is not None and skips(name)))
-        yield pair
-
-
-def checked_load_weights(wrapped: "Callable[..., Any]", instance: "Any", args: "tuple[Any, ...]",
-                         kwargs: "dict[str, Any]") -> "Any":
-    """The drafter's ``load_weights`` on its stream as given; the loaded names counted into the refit."""
-    try:
-        weights = argument(args, kwargs, 0, "weights")
-    except TypeError:
-        return wrapped(*args, **kwargs)  # vLLM's own TypeError
-    closed: "list[RefitReport]" = []
-    refits = _table("refits")
-    with _lock:
-        refit = refits.get(instance)
-        if refit is None:
-            refit = refits[instance] = Refit(None)
-        refit.calls += 1
-    try:
-        args, kwargs = with_argument(args, kwargs, 0, "weights", _observed(instance, refit, weights, closed))
-        loaded = wrapped(*args, **kwargs)
-    except BaseException:
-        with _lock:
-            if getattr(refits.get(instance), "boundary", "") is None:  # an implicit refit died with its call
-                refits.pop(instance)
-        raise
-    refit = refits.get(instance)  # a new one when this call began the next implicit refit
-    if refit is not None:
-        refit.loaded.update(loaded or ())
-    for report in closed:
-        _emit(report)
-    return loaded
-
-
-def _model_argument(args: "tuple[Any, ...]", kwargs: "dict[str, Any]") -> "Any":
-    return argument(args, kwargs, 0, "model", None)
-
-
-def is_drafter(model):
-    wrapped = FIX.lifecycle.wrapped()
-    return any((owner, "load_weights") in wrapped for owner in type(model).__mro__)
-
-
-def begin_on_reload(wrapped, instance, args, kwargs):
-    """vLLM's ``initialize_layerwise_reload``: a drafter's refit begins."""
-    result = wrapped(*args, **kwargs)
-    model = _model_argument(args, kwargs)
-    if is_drafter(model):
-        begin_refit(model, "vLLM layerwise reload")
-    return result
-
-
-def end_on_reload(wrapped, instance, args, kwargs):
-    """vLLM's ``finalize_layerwise_reload``: the drafter's refit ends and is reported."""
-    model = _model_argument(args, kwargs)
-    try:
-        result = wrapped(*args, **kwargs)
-    except BaseException:
-        if is_drafter(model):
-            discard_refit(model)
-        raise
-    if is_drafter(model):
-        end_refit(model)
-    return result
-
-
-RELOAD_WRAPPERS = {BEGIN: begin_on_reload, END: end_on_reload}
-
-
 def _parameters(function):
     import inspect
 
@@ -372,7 +132,7 @@ def _parameters(function):
 
 
 class VllmMtpDrafterLoadFix(Fix):
-    declaration = DECLARATION  # targets: the drafters (DRAFTERS), then vLLM's layerwise reload modules
+    declaration = DECLARATION  # targets: the drafters (DRAFTERS), the layerwise reload, the Worker, the runners
 
     def _patched(self, function: "Any") -> bool:
         """Whether ``function`` calls the source patch's helper."""
@@ -383,18 +143,29 @@ class VllmMtpDrafterLoadFix(Fix):
     def probe(self, module: "ModuleType") -> Verdict:
         role = self.role_of(module)
         if role in DRAFTERS:
-            owner = defined_in(module, [DRAFTERS[role]])
-            if owner is None:
-                return drifted(f"{module.__name__} has no {DRAFTERS[role]}")
-            method = vars(owner).get("load_weights")
-            if method is None:
-                return drifted(f"{owner.__name__} defines no load_weights")
-            if self._patched(method):
-                return redundant(f"{owner.__name__}.load_weights already calls {self.marker.calls} (patched on disk)")
-            names = [p.name for p in _parameters(method)]
-            if names != ["self", "weights"]:
-                return drifted(f"{owner.__name__}.load_weights{tuple(names)} is no longer ('self', 'weights')")
-            return needed(f"{owner.__name__}.load_weights skips unrecognised names without a word")
+            return self._probe_drafter(module, DRAFTERS[role])
+        if role in RELOADS:
+            return self._probe_reload(module)
+        if role == "worker":
+            return self._probe_worker(module)
+        return self._probe_methods(module, "GPUModelRunner", RUNNER, "a target refit that skips the drafter is counted "
+                                   "here (reload_weights) and reported at the next step (execute_model)")
+
+    def _probe_drafter(self, module: "ModuleType", name: str) -> Verdict:
+        owner = defined_in(module, [name])
+        if owner is None:
+            return drifted(f"{module.__name__} has no {name}")
+        method = vars(owner).get("load_weights")
+        if method is None:
+            return drifted(f"{owner.__name__} defines no load_weights")
+        if self._patched(method):
+            return redundant(f"{owner.__name__}.load_weights already calls {self.marker.calls} (patched on disk)")
+        names = [p.name for p in _parameters(method)]
+        if names != ["self", "weights"]:
+            return drifted(f"{owner.__name__}.load_weights{tuple(names)} is no longer ('self', 'weights')")
+        return needed(f"{owner.__name__}.load_weights skips unrecognised names without a word")
+
+    def _probe_reload(self, module: "ModuleType") -> Verdict:
         missing = [name for name in RELOAD_WRAPPERS if name not in vars(module)]
         if missing:  # a refit's boundary needs both its begin and its end
             return drifted(f"{module.__name__} has no {' nor '.join(missing)}")
@@ -407,15 +178,60 @@ class VllmMtpDrafterLoadFix(Fix):
                 return drifted(f"{name}{tuple(p.name for p in _parameters(function))} no longer takes the model first")
         return needed("vLLM's layerwise reload brackets every refit it runs")
 
+    def _probe_methods(self, module: "ModuleType", name: str, methods: "dict[str, Any]", why: str) -> Verdict:
+        owner = defined_in(module, [name])
+        if owner is None:
+            return drifted(f"{module.__name__} has no {name}")
+        missing = [method for method in methods if method not in vars(owner)]
+        if missing:
+            return drifted(f"{name} defines no {' nor '.join(missing)}")
+        if any(self._patched(vars(owner)[method]) for method in methods):
+            return redundant(f"{name}.{'/'.join(methods)} already call {self.marker.calls} (patched on disk)")
+        return needed(why)
+
+    def _probe_worker(self, module: "ModuleType") -> Verdict:
+        verdict = self._probe_methods(module, "Worker", WORKER, "")
+        if verdict.state != "needed":
+            return verdict
+        if not hasattr(vars(module)["Worker"], "start_draft_weight_update"):
+            return needed("no draft sessions in this release: a target session never refreshes the MTP drafter, "
+                          "only the drafter's own load_weights does")
+        import importlib
+
+        try:  # what the Worker itself imports: the engines' base, which says whether an engine can
+            base = importlib.import_module(ENGINE_BASE)
+        except ModuleNotFoundError:
+            return drifted(f"Worker.start_draft_weight_update exists but {ENGINE_BASE} does not")
+        if not hasattr(getattr(base, "WeightTransferEngine", None), "supports_draft_weight_update"):
+            return drifted("Worker.start_draft_weight_update exists but WeightTransferEngine declares no "
+                           "supports_draft_weight_update")
+        return needed("a target session leaves the MTP drafter as it was (Worker.start_draft_weight_update "
+                      "refreshes it, vLLM PR #46725; engines say if they can: supports_draft_weight_update)")
+
     def wrappers(self, module: "ModuleType") -> "Iterator[tuple[object, str, Callable[..., Any]]]":
         role = self.role_of(module)
         if role in DRAFTERS:
-            owner = defined_in(module, [DRAFTERS[role]])
-            yield owner, "load_weights", checked_load_weights
-            return
-        for name, wrapper in RELOAD_WRAPPERS.items():
-            if name in vars(module):
-                yield module, name, wrapper
+            yield defined_in(module, [DRAFTERS[role]]), "load_weights", checked_load_weights
+        elif role in RELOADS:
+            for name, wrapper in RELOAD_WRAPPERS.items():
+                if name in vars(module):
+                    yield module, name, wrapper
+        elif role == "worker":
+            worker = vars(module)["Worker"]
+            for name, wrapper in WORKER.items():
+                yield worker, name, wrapper
+        elif role in RUNNERS:
+            runner = vars(module)["GPUModelRunner"]
+            for name, wrapper in RUNNER.items():
+                yield runner, name, wrapper
+
+    def details(self) -> "dict[str, Any]":
+        """The staleness of every drafter met in this process (`staleness`), for `mtp_overlay.status`."""
+        drafters = staleness()
+        if not drafters:
+            return {}
+        said = [f"{row['drafter']} {row['refits_behind']} target refit(s) behind" for row in drafters]
+        return {"drafters": drafters, "note": "; ".join(said)}
 
 
 FIX = VllmMtpDrafterLoadFix()

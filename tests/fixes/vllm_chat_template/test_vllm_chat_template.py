@@ -115,6 +115,46 @@ def test_two_values_on_one_server_are_refused(world, version):
                              "differs from {'enable_thinking': False}, which OnlineRenderer was built with")
 
 
+@pytest.mark.parametrize("version", HOOK)
+def test_a_rewritten_template_file_is_read_again_by_the_next_server(world, version):
+    """`vllm serve` reads --chat-template at each start, but vLLM's load_chat_template is an lru_cache by
+    path: a server built in-process after the file was rewritten got the old text. Fixed, each server
+    reads the file as it is (stock stores the path itself, both times)."""
+    seen = world(version)
+    fixed = seen["fixed"]["reread"]
+    assert fixed["first"]["consumers"] == {name: ["FILE", {}] for name in CONSUMERS}
+    assert fixed["second"]["consumers"] == {name: ["OTHER", {}] for name in CONSUMERS}
+    assert value(fixed["second"]["chat_text"])[0] == "what is in this picture ? "  # OTHER's rendering of the chat
+    assert value(fixed["first"]["chat_text"])[0] == "user : what is in this picture ? assistant :"  # FILE's
+    stock = seen["stock"]["reread"]
+    assert stock["second"]["consumers"]["OpenAIServingChat"][0] == repr("<work>/rewritten.jinja")
+
+
+ALL_ALIVE = "OnlineDerenderer, OnlineRenderer, OpenAIServingChat, OpenAIServingResponses, ServingTokenization"
+
+
+@pytest.mark.parametrize("version", HOOK)
+def test_a_server_is_rebuilt_on_a_live_engine_once_its_old_consumers_are_gone(world, version):
+    """An RL framework rebuilds its in-process server on the same engine (one vLLM renderer) between runs,
+    with another template and kwargs: stock takes it; fixed, it was refused although the old consumers
+    were gone. Now: taken once they are gone (garbage left in a reference cycle included, with automatic
+    collection off), refused naming the live ones while they are referenced, taken after `reset`."""
+    seen = world(version)
+    stock, fixed = seen["stock"]["rebuild"], seen["fixed"]["rebuild"]
+    rebuilt = {name: ["OTHER", {"enable_thinking": True}] for name in CONSUMERS}
+    assert stock["after_drop"]["consumers"] == rebuilt
+    assert fixed["old"] == {name: ["FILE", OFF] for name in CONSUMERS}
+    assert fixed["after_drop"] == stock["after_drop"]  # what it stores and how every route renders
+    error = fixed["while_alive"]["error"]
+    assert error.startswith("ValueError: OnlineRenderer: chat_template=") and error.endswith("to forget its values")
+    assert (f"which OnlineRenderer was built with on the same vLLM renderer, and consumers built with it are alive "
+            f"({ALL_ALIVE}); ") in error
+    assert "drop its old consumers first, or call " in error
+    assert fixed["reset"] == {"value": None}
+    assert fixed["after_reset"]["consumers"] == {name: ["FILE", {}] for name in CONSUMERS}
+    assert fixed["kept"] == rebuilt  # a reset changes no consumer already built
+
+
 BAD = {  # case -> what the fixed constructor raises (type, then fragments of the message)
     "directory": ("ValueError", "chat_template='<work>' cannot be loaded", "Is a directory"),
     "directory_path": ("ValueError", "chat_template=PosixPath('<work>') cannot be loaded: IsADirectoryError"),
@@ -179,12 +219,17 @@ def test_probe_needs_the_fix_and_the_hook_wraps_every_consumer(world, version):
         f"{name}.__init__" for name in (*CONSUMERS, "AnthropicServingMessages")]}
 
 
-def without_warning_category(observed):
+def comparable(observed):
     """The hook warns with OverlayWarning (its messages start with the fix's name), the patched vLLM
-    with a plain UserWarning: the same text otherwise."""
+    with a plain UserWarning: the same text otherwise. Each names its own reset (the overlay's
+    ``reset(renderer)``, the patched vLLM's ``SERVER_CHAT_TEMPLATES.reset(renderer)``)."""
+    import json
+    import re
+
     both = observed["both"]
     prefix = "mtp-overlay fix 'vllm-chat-template': "
-    return {**observed, "both": {**both, "warnings": [w.split(": ", 1)[1].removeprefix(prefix) for w in both["warnings"]]}}
+    observed = {**observed, "both": {**both, "warnings": [w.split(": ", 1)[1].removeprefix(prefix) for w in both["warnings"]]}}
+    return json.loads(re.sub(r"or call [\w.]+\.reset\(renderer\)", "or call <reset>(renderer)", json.dumps(observed)))
 
 
 @pytest.mark.slow
@@ -193,7 +238,7 @@ def test_patched_vllm_behaves_like_the_hook_and_the_hook_stands_down(world, vers
     """The DEP-3 patch applied to a copy of the release: every case observes what the hook gives,
     the CLI path renders as stock vLLM's, the probe says redundant and nothing is wrapped."""
     hooked, patched = world(version), world(f"{version} patched")
-    patched_cases, hooked_cases = without_warning_category(patched["fixed"]), without_warning_category(hooked["fixed"])
+    patched_cases, hooked_cases = comparable(patched["fixed"]), comparable(hooked["fixed"])
     assert patched_cases.keys() == hooked_cases.keys()
     for case, observed in hooked_cases.items():
         if case == "bad":

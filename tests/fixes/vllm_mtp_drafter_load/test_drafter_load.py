@@ -18,7 +18,14 @@ from pins import VLLM
 import mtp_overlay
 from mtp_overlay.testing.releases import edited_module
 from mtp_overlay import OverlayError, OverlayWarning
-from mtp_overlay.fixes.vllm_mtp_drafter_load import FIX, counted, discard_refit, drafter_refit, last_refit_report
+from mtp_overlay.fixes.vllm_mtp_drafter_load import (
+    FIX,
+    counted,
+    discard_refit,
+    drafter_refit,
+    last_call_report,
+    last_refit_report,
+)
 from mtp_overlay.testing.streams import RecordingCommunicator, ReplayCommunicator, host_streams
 from mtp_overlay.testing.vllm_drafter import (
     KINDS,
@@ -183,9 +190,10 @@ def test_chunked_refit_is_one_refit_with_one_report(drafters, overlay):
     assert block.report.ok and said == []
 
 
-def test_unmarked_chunked_refits_are_reported_when_the_next_refit_begins(drafters, overlay):
-    """Without a boundary, a refit ends when the next one sends its first name again: a complete one
-    silently, a stale one with its report, one refit late."""
+def test_calls_outside_a_refit_are_judged_at_their_end_and_never_loaded_when_the_next_refit_begins(drafters, overlay):
+    """Without a boundary, each call is judged when it returns (names it dropped: at once, not one refit
+    later), and the calls add up into a refit that ends when the next one sends its first name again:
+    a complete one silently, one that left parameters unloaded with its report."""
     model = drafters["nemotron_h"]
     overlay(True)
     with overlay_warnings() as said:
@@ -196,17 +204,89 @@ def test_unmarked_chunked_refits_are_reported_when_the_next_refit_begins(drafter
     complete = last_refit_report(model)
     assert said == [] and complete.ok and complete.number == block.report.number + 1
     assert (complete.boundary, complete.calls, complete.names) == ("load_weights calls", 4, 10)
+    assert last_call_report(model).ok and last_call_report(model).number is None
 
+    with drafter_refit(model):  # closes the open (complete) implicit refit, silently
+        refit(model, refit_stream(model, "mtp.*", seed=20))
     stale = refit_stream(model, "positional", seed=19)
+    for start in range(0, len(stale), 3):
+        chunk = stale[start:start + 3]
+        with overlay_warnings() as said:
+            model.load_weights(iter(chunk))
+        call = last_call_report(model)
+        assert call.dropped == mtp_names(chunk) and call.missing == [] and call.names == len(chunk)
+        assert len(said) == (1 if mtp_names(chunk) else 0)
+        assert all(name in said[0] for name in mtp_names(chunk)) if said else True
     with overlay_warnings() as said:
-        with drafter_refit(model):  # closes the open (complete) implicit refit, silently
-            refit(model, refit_stream(model, "mtp.*", seed=20))
-        refit(model, stale, chunk=3)
-        assert said == []
-        refit(model, refit_stream(model, "positional", seed=21)[:3])
+        model.load_weights(iter(refit_stream(model, "positional", seed=21)[:3]))  # the next refit begins
     report = last_refit_report(model)
-    assert report.calls == 4 and report.dropped == mtp_names(stale) and report.missing == mtp_parameters(model)
-    assert len(said) == 1 and f"refit #{report.number}" in said[0]
+    assert (report.calls, report.names) == (4, len(stale)) and report.missing == mtp_parameters(model)
+    assert report.dropped == []  # said per call already
+    assert len(said) == 2 and f"refit #{report.number}" in said[0] and "7 of 7" in said[0]
+
+
+def test_one_name_twice_in_one_call_is_one_refit_not_a_false_alarm(drafters, overlay):
+    """A stream that repeats a name (a trainer sending a tied tensor twice) loads everything; it is one
+    call of one refit, not the start of the next (which would report the first as never loaded)."""
+    model = drafters["nemotron_h"]
+    stream = refit_stream(model, "mtp.*", seed=22)
+    repeated = stream + [stream[0]]
+    before = snapshot(model)
+    overlay(True, strict=True)  # no refit open (the autouse fixture): this call begins one
+    with overlay_warnings() as said:
+        loaded = model.load_weights(iter(repeated))
+    assert said == [] and set(mtp_parameters(model)) <= set(loaded)
+    assert changed(model, before) == sorted(before) and last_call_report(model).ok
+    with overlay_warnings() as said:
+        model.load_weights(iter(refit_stream(model, "mtp.*", seed=23)))  # the next refit: the first closes
+    assert said == [] and last_refit_report(model).ok and last_refit_report(model).names == len(repeated)
+
+
+def test_a_chunk_with_only_a_name_mapped_outside_the_layer_is_no_false_alarm(drafters, overlay):
+    """DeepSeek checkpoints carry an MTP layer's own embed_tokens, which DeepSeekMTP loads into the
+    shared embedding: a chunk holding only it loads nothing of the layer, and is no dropped name."""
+    model = drafters["deepseek"]
+    embed = ("model.layers.2.embed_tokens.weight", torch.randn(*model.model.embed_tokens.weight.shape))
+    overlay(True, strict=True)
+    with overlay_warnings() as said, loading(model):
+        loaded = model.load_weights(iter([embed]))
+    assert "model.embed_tokens.weight" in loaded and said == [] and last_call_report(model).ok
+
+
+OVERSIZED = {"nemotron_h": ("mtp.layers.0.mixer.q_proj.weight", "model.layers.0.mixer.qkv_proj.weight", 0),
+             "deepseek": ("model.layers.2.mlp.gate_proj.weight", "model.layers.2.mtp_block.mlp.gate_up_proj.weight", 0)}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_an_oversized_tensor_is_truncated_silently_by_vllm_and_the_fix_names_its_shape(drafters, overlay, kind):
+    """vLLM's parallel loaders narrow a checkpoint tensor to the parameter's slice: a shard 8 rows too
+    long loads its first rows and nobody is told. The fix compares each MTP tensor with its layer."""
+    model = drafters[kind]
+    name, parameter, _ = OVERSIZED[kind]
+    stream = refit_stream(model, NATIVE[kind], seed=24)
+    index = [n for n, _ in stream].index(name)
+    right = stream[index][1]
+    long = torch.cat([right, torch.randn(8, *right.shape[1:], generator=torch.Generator().manual_seed(1))])
+    stream[index] = (name, long)
+
+    overlay(False)
+    with overlay_warnings() as said, loading(model):
+        loaded = model.load_weights(iter(stream))
+    rows = dict(model.named_parameters())[parameter]
+    assert parameter in loaded and said == []  # loaded, nothing said
+    assert torch.equal(rows[: right.shape[0]], right)  # the first rows of the long tensor, the rest dropped
+
+    overlay(True)
+    with overlay_warnings() as said, drafter_refit(model) as block:
+        refit(model, stream)
+    assert block.report.mis_shaped == [(name, tuple(long.shape), tuple(right.shape))]
+    assert block.report.missing == block.report.dropped == [] and len(said) == 1
+    assert f"{name} {list(long.shape)} for {list(right.shape)}" in said[0]
+
+    overlay(True, strict=True)
+    with pytest.raises(OverlayError, match="another shape"), loading(model):
+        model.load_weights(iter(stream))  # outside a refit: judged at the end of the call
+    assert last_call_report(model).mis_shaped == block.report.mis_shaped
 
 
 # --- vLLM's own refit lifecycle: the NCCL engine, packed, chunk by chunk ----------------------------

@@ -81,3 +81,26 @@ def test_gap_needs_the_depth_1_rates():
         acceptance_gap({"mtp_1_loss": 1.0}, {"rollout_acceptance_pos_1": 1.0})
     with pytest.raises(ValueError, match="must be a dict"):
         acceptance_gap([1], {"rollout_acceptance_pos_1": 1.0})
+
+
+def test_drafter_staleness_is_logged_beside_acceptance_as_the_largest_over_workers():
+    stats = [worker(1, [(1, 1), (1, 0)]), worker(1, [(1, 0)])]
+    plain = rollout_mtp_metrics(stats)
+    assert "rollout_drafter_refits_behind" not in plain
+    assert rollout_mtp_metrics(stats, drafter_refits_behind=[0, 3]) == {**plain, "rollout_drafter_refits_behind": 3.0}
+    assert rollout_mtp_metrics(stats, drafter_refits_behind=2)["rollout_drafter_refits_behind"] == 2.0
+    assert rollout_mtp_metrics(stats, drafter_refits_behind=[None, 1])["rollout_drafter_refits_behind"] == 1.0
+    assert rollout_mtp_metrics(stats, drafter_refits_behind=[None, None]) == plain  # no worker's drafter known
+    # a stale drafter that drafted nothing yet still shows
+    assert rollout_mtp_metrics([SpecDecodingStats.new(1)], drafter_refits_behind=[4]) == {"rollout_drafter_refits_behind": 4.0}
+
+
+@pytest.mark.parametrize(("behind", "message"), [
+    ([0, -1], r"drafter_refits_behind\[1\] must be a non-negative int"),
+    ([True], r"drafter_refits_behind\[0\] must be a non-negative int"),
+    ([1.0], r"drafter_refits_behind\[0\] must be a non-negative int"),
+    ("2", "must be an int or a list"),
+])
+def test_bad_staleness_counts_are_refused_naming_the_worker(behind, message):
+    with pytest.raises(ValueError, match=message):
+        rollout_mtp_metrics([worker(1, [(1, 1)])], drafter_refits_behind=behind)

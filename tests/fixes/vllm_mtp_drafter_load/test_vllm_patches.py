@@ -95,8 +95,10 @@ from vllm.model_executor.model_loader.reload import layerwise
 from vllm.model_executor.models import deepseek_mtp, nemotron_h_mtp, utils
 
 out = {"version": vllm.__version__, "where": os.path.dirname(vllm.__file__)}
-modules = (nemotron_h_mtp, deepseek_mtp, layerwise, packed_tensor, nccl_engine)
-out["probes"] = [(DRAFTER_FIX if i < 3 else BROADCAST_FIX).probe(m).state for i, m in enumerate(modules)]
+from vllm.v1.worker import gpu_model_runner, gpu_worker
+from vllm.v1.worker.gpu import model_runner
+modules = (nemotron_h_mtp, deepseek_mtp, layerwise, gpu_worker, gpu_model_runner, model_runner, packed_tensor, nccl_engine)
+out["probes"] = [(DRAFTER_FIX if i < 6 else BROADCAST_FIX).probe(m).state for i, m in enumerate(modules)]
 from mtp_overlay.patching.survey import patched_on_disk
 out["status"] = {row.name: [row.state, row.patched] for row in mtp_overlay.status(patched=patched_on_disk) if row.name in ("vllm-mtp-drafter-load", "device-normalized-broadcast")}
 said = []
@@ -113,6 +115,16 @@ with drafter_environment():
             model.load_weights([pair])
         layerwise.finalize_layerwise_reload(model, model.vllm_config_for_tests.model_config)
         out[case] = {"changed": changed(model, before), "said": said[start:]}
+    # outside any refit boundary: each call judged at its end; one name twice in a call; a long tensor
+    native = refit_stream(model, "mtp.*", seed=10, with_target_names=False)
+    long = list(native)
+    index = [name for name, _ in long].index("mtp.layers.0.mixer.q_proj.weight")
+    long[index] = (long[index][0], torch.cat([long[index][1], torch.zeros(8, long[index][1].shape[1])]))
+    positional = refit_stream(model, "positional", seed=11, with_target_names=False)
+    for case, stream in (("repeated", native + [native[0]]), ("positional call", positional), ("long", long)):
+        start = len(said)
+        model.load_weights(iter(stream))
+        out[case] = said[start:]
     os.environ["MTP_OVERLAY_STRICT"] = "1"
     try:
         with drafter_refit(model):
@@ -144,22 +156,72 @@ print(json.dumps(out))
 """
 
 
+# drafter freshness on the patched vLLM: its own Worker sessions and runners (the test bed's)
+FRESHNESS = """
+import json, logging, os, warnings
+warnings.simplefilter("ignore")
+import mtp_overlay
+from mtp_overlay.fixes.vllm_mtp_drafter_load import refits_behind
+from mtp_overlay.testing.vllm_worker import RUNNERS, run_step, session, worker_environment
+from vllm.model_executor.models import utils
+
+said = []
+handler = logging.Handler(logging.WARNING)
+handler.emit = lambda record: said.append(record.getMessage())
+logging.getLogger(utils.__name__).addHandler(handler)
+out = {}
+with worker_environment() as bed:
+    for runner in RUNNERS:
+        worker = bed.worker(runner)
+        for case, actions in (("stale", ("load_weights mtp.*", "target", "target", "execute")),
+                              ("fresh", ("load_weights mtp.*", "target", "draft", "execute"))):
+            logged = []
+            for action in actions:
+                start = len(said)
+                step = run_step(bed, worker, action)
+                logged.append(said[start:] + step.said)  # vLLM's log, and any OverlayWarning (none: stood down)
+            out[f"{runner} {case}"] = {"said": logged, "behind": refits_behind(worker)}  # vLLM's count
+    os.environ["MTP_OVERLAY_STRICT"] = "1"
+    worker = bed.worker("v2")
+    for action in ("load_weights mtp.*", "reload"):
+        run_step(bed, worker, action)
+    try:
+        session(worker, bed.export_stream())
+        out["strict"] = None
+    except RuntimeError as exc:
+        out["strict"] = [str(exc), worker._weight_update_active]
+print(json.dumps(out))
+"""
+
+
 @pytest.fixture(scope="module", params=VERSIONS)
-def patched_vllm(request, tmp_path_factory):
-    """Run `PATCHED` on a patched copy of vLLM ``version`` (the overlay imported: its hooks decide)."""
+def patched_site(request, tmp_path_factory):
+    """A patched copy of vLLM ``version``: ``(version, site)``."""
     version = request.param
     site = patched_copy(version, tmp_path_factory.mktemp("patched"))
     assert main(["patch", "apply", "--site-packages", str(site), "--only", FIXES[0], "--only", FIXES[1]]) == 0
+    return version, site
+
+
+def run_patched(site, code):
+    """``code`` on the patched copy (the overlay imported: its hooks decide), not strict: its last JSON line."""
     environment = {key: value for key, value in os.environ.items() if key != "MTP_OVERLAY_STRICT"}
-    result = run_with_release(site, PATCHED, env=environment, timeout=900)
+    result = run_with_release(site, code, env=environment, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
-    return version, site, json.loads(result.stdout.strip().splitlines()[-1])
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def patched_vllm(patched_site):
+    """Run `PATCHED` on the patched copy."""
+    version, site = patched_site
+    return version, site, run_patched(site, PATCHED)
 
 
 def test_patched_vllm_reports_a_stale_drafter_by_itself_and_the_hooks_stand_down(patched_vllm):
     version, site, out = patched_vllm
     assert (out["version"], out["where"]) == (version, str(site / "vllm"))
-    assert out["probes"] == ["redundant"] * 5
+    assert out["probes"] == ["redundant"] * 8
     assert out["status"] == {fix: ["redundant", True] for fix in FIXES}
     assert len(out["native"]["changed"]) == 7 and out["native"]["said"] == []
     positional = out["positional"]
@@ -169,6 +231,31 @@ def test_patched_vllm_reports_a_stale_drafter_by_itself_and_the_hooks_stand_down
     assert "7 of 7 MTP parameters never loaded: model.layers.0.eh_proj.weight" in message
     assert "9 MTP checkpoint names dropped unrecognised: model.layers.2.mixer.q_proj.weight" in message
     assert out["strict"] is not None and "7 of 7 MTP parameters never loaded" in out["strict"]
+    assert out["repeated"] == []  # one name twice in one call: no new refit, no false alarm
+    [call] = out["positional call"]  # judged at the end of the call, not one refit later
+    assert "one load_weights call outside any refit boundary (9 names): 9 MTP checkpoint names dropped" in call
+    [long] = out["long"]
+    assert "mtp.layers.0.mixer.q_proj.weight [40, 32] for [32, 32]" in long and "narrows" in long
+
+
+@pytest.mark.slow
+def test_patched_vllm_reports_a_drafter_a_target_refit_left_behind(patched_site):
+    version, site = patched_site
+    out = run_patched(site, FRESHNESS)
+    for runner in ("v2", "v1"):
+        stale, fresh = out[f"{runner} stale"], out[f"{runner} fresh"]
+        assert [len(said) for said in stale["said"]] == [0, 0, 1, 0] and stale["behind"] == 2
+        message = stale["said"][2][0]
+        assert "vLLM MTP drafter NemotronHMTP is 1 target refit behind NemotronHForCausalLM" in message
+        assert "seen at Worker.start_weight_update" in message
+        hint = "Worker.start_draft_weight_update()" if version == VLLM else "This vLLM has no draft sessions"
+        assert hint in message
+        if version == VLLM:  # a draft session refreshes the drafter
+            assert [len(said) for said in fresh["said"]] == [0, 0, 0, 0] and fresh["behind"] == 0
+        else:  # 0.25 has none: the draft step is refused, the step reports the stale drafter
+            assert [len(said) for said in fresh["said"]] == [0, 0, 0, 1] and fresh["behind"] == 1
+    text, active = out["strict"]
+    assert "is 1 target refit behind" in text and "GPUModelRunner.reload_weights" in text and active is False
 
 
 def test_patched_vllm_sends_every_refit_tensor_from_the_communicator_device(patched_vllm):

@@ -1,0 +1,565 @@
+"""The engine of ``mtp-overlay verify``: a user's shrunk model on gloo ranks through Megatron's own step.
+
+The product (`mtp_overlay.verification`) reads the user's config, shrinks it, draws the data and
+judges; it never imports this module: it runs ``python -m mtp_overlay.testing.verify --world-size N``
+as a child process (`verification.engine.ChildEngine`) and talks JSON lines with it (`main`), or a
+test hands it an in-process `Engine`. This module measures and judges nothing. Per case it reports
+what Megatron's step gave (LM and per-depth logged MTP losses, token counts), the (sequence,
+position, target) triples each MTP depth back-propagated a loss from (`packed.record_mtp`, gathered
+over CP, mapped back to each sequence through the microbatch's slot map), the relative error of the
+MTP block's, each MTP layer's and the rest's gradients against the reference, and the parity
+table's max |Δgrad|. A step is the parity table's (`parity.run_step`: one engine, two faces).
+
+Requests (`Engine.request`): ``describe`` (a provider given by its module path: its fields, for the
+product to shrink; its family) and ``run``: jobs of ``(layout, [(case name, fixes), ...])``. The
+layout ``"reference"`` is each sequence alone, unpacked, TP1, stock; its gradients are kept for
+every later case. Each job sets its layout up over the same ranks (model parallelism destroyed and
+initialised again, the rest data parallel, fed the same microbatch: a replica's gradients are the
+single rank's), builds the model anew with Megatron-Bridge's provider from one seed with the test
+bed's CPU settings (`bridge.build_provided`; stock megatron-core; under PP each stage holding the
+weights of the model without stages, `pipeline.build_stage`, the MTP block's positions sent from the
+last stage), and runs each case with exactly its fixes installed. A config the test bed cannot build
+answers ``{"error": ...}`` naming what is missing (`PlanError`); anything else that fails answers the
+error with its traceback and the ranks' log.
+"""
+
+import importlib
+import json
+import os
+import sys
+import time
+
+# verify's --loss -> (MegatronStep's loss shape, calculate_per_token_loss)
+LOSSES = {"per-token": ("3-output", True), "3-output": ("3-output", False), "2-output": ("2-output", False)}
+
+
+class PlanError(ValueError):
+    """A plan the test bed cannot run (a family Bridge cannot build, a layer without a CPU stand-in):
+    returned to the product as its message, never a traceback."""
+
+
+# --- the model ---------------------------------------------------------------------------------
+def hf_config(values):
+    """A transformers config of ``values`` (a config.json's dict, ``model_type`` included)."""
+    from transformers import AutoConfig
+
+    values = dict(values)
+    model_type = values.pop("model_type", None)
+    if not model_type:
+        raise PlanError("the config has no model_type: transformers cannot tell which family it is")
+    try:
+        return AutoConfig.for_model(model_type, **values)
+    except (ValueError, KeyError) as error:
+        raise PlanError(f"transformers cannot read a {model_type!r} config: {error}") from None
+
+
+def provider_of(model):
+    """The Megatron-Bridge provider (not finalized) the plan's ``model`` describes."""
+    from .bridge import import_bridge
+
+    import_bridge()
+    if model["kind"] == "hf-config":
+        from megatron.bridge import AutoBridge
+
+        config = hf_config(model["config"])
+        try:
+            bridge = AutoBridge.from_hf_config(config)
+        except ValueError as error:
+            import megatron.bridge
+
+            version = megatron.bridge.__version__
+            raise PlanError(f"Megatron-Bridge {version} cannot build this config: {error}") from None
+        provider = bridge.to_megatron_provider(load_weights=False)
+    else:
+        provider = resolve_provider(model["path"])
+    for name, value in model.get("overrides", {}).items():
+        setattr(provider, name, value)
+    return provider
+
+
+def resolve_provider(path):
+    """The provider at ``path``: ``package.module:attribute`` or ``file.py:attribute``; the attribute a
+    provider, a provider class (built with its defaults), or a function returning a provider or a
+    recipe's ``ConfigContainer`` (its ``.model``)."""
+    import importlib.util
+    import inspect
+
+    from megatron.bridge.models.model_provider import ModelProviderMixin
+
+    where, _, name = path.rpartition(":")
+    if not where or not name:
+        raise PlanError(f"--provider must be MODULE:NAME or FILE.py:NAME, got {path!r}")
+    try:
+        if where.endswith(".py"):
+            spec = importlib.util.spec_from_file_location(os.path.basename(where)[:-3], where)
+            if spec is None or spec.loader is None:
+                raise ImportError(f"no Python file at {where}")
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(where)
+        found = getattr(module, name)
+    except (ImportError, AttributeError, OSError) as error:
+        raise PlanError(f"--provider {path}: {type(error).__name__}: {error}") from None
+    if inspect.isclass(found) and issubclass(found, ModelProviderMixin):
+        found = found()
+    elif callable(found) and not isinstance(found, ModelProviderMixin):
+        found = found()
+    found = getattr(found, "model", found)
+    if not isinstance(found, ModelProviderMixin):
+        raise PlanError(f"--provider {path} gives a {type(found).__name__}, not a Megatron-Bridge model provider")
+    return found
+
+
+def describe(model):
+    """Rank worker: the fields of the plan's provider that the product shrinks (`verification.shrink`),
+    its class and the model family it builds; or ``{"error": ...}``."""
+    from ..verification.shrink import PROVIDER_FIELDS
+
+    try:
+        provider = provider_of(model)
+        kind = family(provider)
+        check_buildable(provider)
+    except PlanError as error:
+        return dict(error=str(error))
+    fields = {}
+    for name in PROVIDER_FIELDS:
+        value = getattr(provider, name, None)
+        if value is None or isinstance(value, (bool, int, float, str)):
+            fields[name] = value
+    return dict(fields=fields, provider=type(provider).__name__, family=kind)
+
+
+def family(provider):
+    """"hybrid" (HybridModelProvider: HybridModel) or "gpt" (GPTModelProvider: GPTModel); PlanError else."""
+    from megatron.bridge.models.gpt_provider import GPTModelProvider
+    from megatron.bridge.models.hybrid.hybrid_provider import HybridModelProvider
+
+    if isinstance(provider, HybridModelProvider):
+        return "hybrid"
+    if isinstance(provider, GPTModelProvider):
+        return "gpt"
+    raise PlanError(
+        f"the test bed builds GPTModelProvider and HybridModelProvider models on CPU; "
+        f"this config's provider is {type(provider).__name__}"
+    )
+
+
+def check_buildable(provider):
+    """PlanError naming what the test bed has no CPU stand-in for in this provider's model."""
+    from .tiny_hybrid import SYMBOLS, UNSUPPORTED
+
+    missing = []
+    if getattr(provider, "multi_latent_attention", False):
+        missing.append("multi-latent attention (MLA): the CPU attention stand-in is standard self-attention")
+    for name in ("hybrid_layer_pattern", "mtp_hybrid_override_pattern"):
+        pattern = getattr(provider, name, None) or ""
+        for symbol in sorted(set(pattern) - set(SYMBOLS) - set("|/")):
+            missing.append(f"layer {symbol!r} ({UNSUPPORTED.get(symbol, 'unknown')}) in {name} {pattern!r}")
+    dispatcher = getattr(provider, "moe_token_dispatcher_type", None)
+    if getattr(provider, "num_moe_experts", None) and dispatcher not in ("allgather", "alltoall"):
+        missing.append(f"MoE token dispatcher {dispatcher!r} (DeepEP/HybridEP kernels): allgather and alltoall "
+                       "run on CPU")
+    if getattr(provider, "experimental_attention_variant", None):
+        missing.append(f"attention variant {provider.experimental_attention_variant!r}")
+    if missing:
+        raise PlanError("no CPU stand-in in the test bed for: " + "; ".join(missing))
+
+
+def build(plan, sequence_parallel):
+    """This rank's model of the plan (its layout from parallel_state), per-token loss as the plan says.
+
+    Under pipeline parallelism this rank's stage, holding the weights of the model built at PP1 over
+    the same ranks (`pipeline.build_stage`; a stage built from the seed alone would draw other
+    weights); a hybrid pattern is cut into one ``|``-separated segment per stage (`staged_pattern`).
+    """
+    from . import pipeline
+
+    def one(staged):
+        from .bridge import build_provided
+        from .parity import _own_attention_backend
+
+        provider = provider_of(plan["model"])
+        kind = family(provider)
+        check_buildable(provider)
+        if pipeline.size() > 1 and provider.share_embeddings_and_output_weights:
+            raise PlanError(
+                f"--pp {pipeline.size()} with tied embeddings: the last stage holds its own copy of the tied output "
+                "weight (megatron-core language_module.py:273-283), which the test bed does not yet map to the "
+                "word embeddings of the model without stages (testing/pipeline.py maps untied models); verify "
+                "this config with --pp 1"
+            )
+        if staged and kind == "hybrid":
+            provider.hybrid_layer_pattern = staged_pattern(provider.hybrid_layer_pattern, pipeline.size())
+        with _own_attention_backend():
+            model = build_provided(provider, seed=plan["seed"], sequence_parallel=sequence_parallel,
+                                   scatter_embedding_sequence_parallel=plan["scatter_embedding_sequence_parallel"],
+                                   recipe=plan.get("recipe") or None)
+        model.config.calculate_per_token_loss = LOSSES[plan["loss"]][1]
+        return model
+
+    return one(False) if pipeline.size() == 1 else pipeline.build_stage(one, dict(staged=False), dict(staged=True))
+
+
+def staged_pattern(pattern, stages):
+    """``pattern`` (a hybrid layer pattern without MTP) cut into ``stages`` ``|``-separated segments, the
+    longer ones first: ``"ME*-"`` at PP2 -> ``"ME|*-"``; PlanError with fewer layers than stages."""
+    layers = pattern.replace("|", "")
+    if len(layers) < stages:
+        raise PlanError(f"the shrunk layer pattern {layers!r} has {len(layers)} layers, fewer than the {stages} "
+                        "pipeline stages: verify with --layers all, or fewer stages")
+    size, extra = divmod(len(layers), stages)
+    cuts, start = [], 0
+    for stage in range(stages):
+        end = start + size + (stage < extra)
+        cuts.append(layers[start:end])
+        start = end
+    return "|".join(cuts)
+
+
+# --- the data ----------------------------------------------------------------------------------
+def masks(tokens, prompt, forward):
+    """(label-aligned LM loss mask, input-aligned MTP token mask or None) of one sequence of ``len(tokens)
+    - 1`` inputs whose tokens from index ``prompt`` on are the response (`verification.oracle`)."""
+    import torch
+
+    length = len(tokens) - 1
+    response = (torch.arange(length + 1) >= prompt).float()  # per token of the text
+    if forward == "sft":  # label j is token j + 1
+        return response[1:], None
+    # RL: the trainer's LM loss over label j (token j + 1, none past the inputs); the model's mask per input
+    return torch.cat([response[1:length], response.new_zeros(1)]), response[:length]
+
+
+def microbatch(plan, layout):
+    """The plan's sequences as one microbatch of ``MegatronStep`` for ``layout`` ("reference": each
+    sequence alone in its own row, unpadded beyond the longest; else the plan's packing, each sequence
+    padded to the layout's multiple), and the slot -> (sequence, position) map of its [rows, slots]."""
+    import torch
+
+    from .. import mtp
+
+    sequences, prompts = plan["sequences"], plan["prompts"]
+    lengths = [len(tokens) - 1 for tokens in sequences]
+    forward = plan["forward"]
+    packing = "none" if layout == "reference" else plan["packing"]
+    multiple = 1 if layout == "reference" else pad_multiple(plan, layout)
+    longest = -(-max(lengths) // multiple) * multiple
+    rows = {key: torch.zeros(len(sequences), longest) for key in ("loss_mask", "mtp_loss_mask")}
+    ids = {key: torch.zeros(len(sequences), longest, dtype=torch.int64) for key in ("input_ids", "labels")}
+    for index, (tokens, prompt) in enumerate(zip(sequences, prompts)):
+        text, length = torch.tensor(tokens), lengths[index]
+        ids["input_ids"][index, :length], ids["labels"][index, :length] = text[:-1], text[1:]
+        lm_mask, token_mask = masks(tokens, prompt, forward)
+        rows["loss_mask"][index, :length] = lm_mask
+        if token_mask is not None:
+            rows["mtp_loss_mask"][index, :length] = token_mask
+    if packing == "none":
+        batch = dict(ids, position_ids=torch.arange(longest).repeat(len(sequences), 1), **rows)
+        slots = [[(row, column) for column in range(longest)] for row in range(len(sequences))]
+    else:
+        packed = mtp.pack_sequences(ids["input_ids"], lengths, rows["loss_mask"], pad_multiple=multiple)
+        padded = packed.cu_seqlens_padded.long()
+        slot = torch.arange(int(padded[-1]))
+        owner = torch.searchsorted(padded, slot, right=True) - 1
+        batch = dict(
+            input_ids=packed.input_ids,
+            labels=mtp.pack_sequences(ids["labels"], lengths, pad_multiple=multiple).input_ids,
+            position_ids=(slot - padded[owner])[None, :],
+            loss_mask=packed.loss_mask,
+            mtp_loss_mask=mtp.pack_sequences(rows["mtp_loss_mask"], lengths, pad_multiple=multiple).input_ids.float(),
+            packed_seq_params=mtp.packed_seq_params(packed, real_lengths=packing == "thd-real-lengths"),
+        )
+        slots = [[(int(owner[k]), int(k - padded[owner[k]])) for k in range(int(padded[-1]))]]
+    if forward == "sft":
+        batch.pop("mtp_loss_mask")
+    return batch, slots
+
+
+def pad_multiple(plan, layout):
+    """The per-sequence padding multiple of ``layout``: the plan's, else NeMo-RL's (2*CP*TP under CP,
+    TP under SP: `mtp.padding_multiple`)."""
+    from .. import mtp
+
+    if plan.get("pad_multiple"):
+        return plan["pad_multiple"]
+    return mtp.padding_multiple(layout["cp"], layout["tp"], layout["sp"])
+
+
+# --- rank workers -------------------------------------------------------------------------------
+def model_parallel(layout, seed):
+    """Make this rank's model parallelism ``layout`` (TP, CP, EP, ETP; the rest data parallel), seeded
+    as the pool seeds it; the pool's own is set up again by its next run (`launcher`)."""
+    from megatron.core import parallel_state, tensor_parallel
+
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=layout["tp"], context_parallel_size=layout["cp"],
+        pipeline_model_parallel_size=layout.get("pp") or 1,
+        expert_model_parallel_size=layout.get("ep") or 1, expert_tensor_parallel_size=layout.get("etp"),
+    )
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def run_cases(plan, jobs):
+    """Rank worker: each job ``(layout, [(name, fixes), ...])`` in order: the layout set up, its model built
+    once, each case one step with exactly its fixes installed (`parity.run_step`) and MTP recorded.
+    On global rank 0 one dict per case (the reference's with the facts of what was built and its MTP
+    parameters' sizes); None elsewhere; ``{"error": ...}`` for a plan the test bed cannot build."""
+    import torch
+
+    import mtp_overlay
+
+    from . import pipeline
+    from .megatron_step import MegatronStep
+    from .packed import record_mtp
+    from .parity import run_step
+
+    out = []
+    for layout, cases in jobs:
+        spec = dict(tp=1, cp=1, pp=1, ep=1, etp=None, sp=False) if layout == "reference" else layout
+        model_parallel(spec, plan["seed"])
+        mtp_overlay.uninstall()  # every model is built by stock megatron-core
+        try:
+            model = build(plan, spec["sp"])
+        except PlanError as error:
+            return dict(error=str(error))
+        step = MegatronStep(model, optimizer=None)
+        buffers = [(buffer, buffer.detach().clone()) for buffer in model.buffers()]
+        batch, slots = microbatch(plan, layout)
+        facts = dict(built=built_facts(model), mtp_sizes=[
+            param.numel() for name, param in model.named_parameters() if name.split(".")[0] == "mtp"
+        ]) if layout == "reference" else {}
+        # the reference passes the MTP mask as loss_mask (what the trainer means); a scoped mask reaches stock
+        # megatron-core only through mtp-loss-mask, which is what the other cases check
+        route = "explicit" if layout == "reference" else plan["mtp_mask"]
+        for name, fixes in cases:
+            with record_mtp(model) as records:
+                result, error = run_step(step, buffers, batch, fixes, labels=plan["forward"] == "sft",
+                                         mtp_mask=route, loss=LOSSES[plan["loss"]][0])
+            trained = None if error else positions(records, batch, slots)
+            if pipeline.size() > 1:  # the MTP block runs on the last stage: its positions, on every stage
+                trained = pipeline.broadcast_from_last_stage(trained)
+            out.append(dict(layout=layout, case=name, fixes=list(fixes), error=error, step=result, trained=trained,
+                            **facts))
+        del step, model
+    mtp_overlay.uninstall()
+    return out if torch.distributed.get_rank() == 0 else None
+
+
+def positions(records, batch, slots):
+    """Per MTP depth the sorted [sequence, position, target] triples it back-propagated a loss from,
+    over the whole microbatch (a CP collective: every CP rank's slots, on every rank)."""
+    import torch
+
+    from .megatron_step import padded_boundaries
+    from .packed import to_global
+
+    params = batch.get("packed_seq_params")
+    width = batch["input_ids"].shape[1]
+    boundaries = padded_boundaries(params) if params is not None else torch.tensor([0, width])
+    depths = []
+    for record in records:
+        trained = to_global(record["trained"], boundaries)
+        targets = to_global(record["targets"], boundaries)
+        found = [[*slots[row][column], int(targets[row, column])] for row, column in trained.nonzero().tolist()]
+        depths.append(sorted(found))
+    return depths
+
+
+# --- the parent: runs and comparisons -------------------------------------------------------------
+def gradient_errors(step, reference, sizes):
+    """{part: relative error} of a case's finalized gradients against the reference's: "mtp" (the MTP
+    block), "lm" (the rest), and per MTP layer ("mtp.layers.<i>") where the block has several.
+    ``sizes``: the flat size of each MTP-block parameter, in the order of ``grad_names["mtp"]``."""
+    import numpy
+
+    from .megatron_step import relative_error
+
+    errors = {part: relative_error(step.grads[part], reference.grads[part]) for part in ("mtp", "lm")}
+    names = reference.grad_names["mtp"]
+    if len(sizes) != len(names) or tuple(step.grad_names["mtp"]) != tuple(names):
+        raise RuntimeError(f"MTP parameters differ from the reference's: {step.grad_names['mtp']} vs {names}")
+    layers, offset = {}, 0
+    for name, size in zip(names, sizes):
+        if name.startswith("mtp.layers."):
+            layers.setdefault(".".join(name.split(".")[:3]), []).append(numpy.arange(offset, offset + size))
+        offset += size
+    if len(layers) > 1:
+        for layer, spans in layers.items():
+            index = numpy.concatenate(spans)
+            errors[layer] = relative_error(step.grads["mtp"][index], reference.grads["mtp"][index])
+    return errors
+
+
+def summarise(case, reference):
+    """A case's JSON row: losses, counts, trained triples, gradient errors against ``reference`` (the
+    reference case, with its ``mtp_sizes``)."""
+    row = {key: case[key] for key in ("layout", "case", "fixes", "error", "trained")}
+    step = case["step"]
+    if step is not None:
+        row.update(lm_loss=step.lm_loss, mtp_losses=list(step.mtp_losses), mtp_tokens=list(step.mtp_tokens))
+        if reference.get("step") is not None:
+            row["grad_relerr"] = gradient_errors(step, reference["step"], reference["mtp_sizes"])
+    return row
+
+
+def warm_up():
+    """Rank worker: the imports every later job needs (megatron-core's models, Megatron-Bridge)."""
+    from megatron.core.models.gpt import gpt_model  # noqa: F401
+    from megatron.core.models.hybrid import hybrid_model  # noqa: F401
+
+    from .bridge import import_bridge
+
+    import_bridge()
+
+
+def built_facts(model):
+    """What Bridge's provider built: classes, layer patterns, MTP, MoE, embeddings, parameter count."""
+    config = model.config
+    facts = dict(provider=type(config).__name__, model=type(model).__name__,
+                 parameters=sum(param.numel() for param in model.parameters()))
+    names = ["hybrid_layer_pattern", "num_layers", "mtp_num_layers", "mtp_use_repeated_layer", "hidden_size",
+             "num_attention_heads", "num_query_groups", "share_embeddings_and_output_weights", "vocab_size",
+             "calculate_per_token_loss"]
+    if getattr(config, "num_moe_experts", None):
+        names += ["num_moe_experts", "moe_router_topk", "moe_token_dispatcher_type", "moe_router_score_function"]
+    if "M" in (getattr(config, "hybrid_layer_pattern", None) or ""):
+        names += ["mamba_num_heads", "mamba_num_groups"]
+    for name in names:
+        value = getattr(config, name, None)
+        if isinstance(value, (bool, int, float, str)):
+            facts[name] = value
+    facts["scatter_embedding_sequence_parallel"] = getattr(model.embedding, "scatter_to_sequence_parallel", True)
+    return facts
+
+
+def max_deltas(step, reference):
+    """{part: max |g - g_ref|} of the MTP block ("mtp") and the rest ("lm"): the parity table's columns."""
+    import numpy
+
+    return {part: float(numpy.abs(step.grads[part].astype(numpy.float64) - reference.grads[part]).max(initial=0.0))
+            for part in ("mtp", "lm")}
+
+
+class Engine:
+    """The engine the product talks to: `request` answers one message (module docstring), keeping its
+    ranks (and the reference's gradients) between messages.
+
+    world_size: the ranks of every run; log: a file the ranks' output goes to; progress: called with
+    one line per phase. With ``MTP_OVERLAY_SHARED_RANKS=1`` (a test suite) the ranks are the shared
+    pool of ``launcher.run_ranks``; otherwise one `launcher.RankPool`, closed by `close`.
+    """
+
+    def __init__(self, world_size, *, log=None, progress=None, timeout=900):
+        from .launcher import SHARED_RANKS, RankPool
+
+        self.world_size, self.log, self.timeout = world_size, log, timeout
+        self.progress = progress or (lambda line: None)
+        self.shared = os.environ.get(SHARED_RANKS) == "1"
+        self.pool = None if self.shared else RankPool(world_size, log=log)
+        self.reference = None
+        self.started = False
+
+    def request(self, message):
+        """``{"op": "describe", "model": ...}`` or ``{"op": "run", "plan": ..., "jobs": ...}``; a dict. The
+        first request starts the ranks first: its answer's ``startup`` is the seconds that took."""
+        op = message.get("op")
+        if op not in ("describe", "run"):
+            raise ValueError(f"op must be 'describe' or 'run', got {op!r}")
+        startup = None
+        if not self.started:
+            self.progress(f"starting {self.world_size} gloo rank(s) (each imports megatron-core and Megatron-Bridge)")
+            since = time.perf_counter()
+            self._run(warm_up, ())
+            self.started, startup = True, round(time.perf_counter() - since, 1)
+        since = time.perf_counter()
+        if op == "describe":
+            answer = self._run(describe, (message["model"],))
+        else:
+            answer = self._cases(message["plan"], message["jobs"])
+        answer["seconds"] = round(time.perf_counter() - since, 1)
+        if startup is not None:
+            answer["startup"] = startup
+        return answer
+
+    def _cases(self, plan, jobs):
+        jobs = [(layout, [tuple(case) for case in cases]) for layout, cases in jobs]
+        names = ", ".join(layout_name(layout) for layout, _ in jobs)
+        self.progress(f"{names}: {sum(len(cases) for _, cases in jobs)} step(s) through Megatron's own step")
+        found = self._run(run_cases, (plan, jobs))
+        if isinstance(found, dict):
+            return found
+        answer = dict(cases=[])
+        for case in found:
+            if case["layout"] == "reference":
+                self.reference = case
+                answer["built"] = case["built"]
+            if self.reference is None:
+                raise RuntimeError("the reference must run before any other case")
+            row = summarise(case, self.reference)
+            if case["step"] is not None and self.reference["step"] is not None:
+                row["max_delta"] = max_deltas(case["step"], self.reference["step"])
+            answer["cases"].append(row)
+        return answer
+
+    def _run(self, fn, args):
+        from .launcher import run_ranks_checked
+
+        if self.shared:
+            return run_ranks_checked(fn, self.world_size, args=args, fixes=[], timeout=self.timeout, log=self.log)[0]
+        return self.pool.run_checked(fn, args=args, fixes=[], timeout=self.timeout)[0]
+
+    def close(self):
+        if self.pool is not None:
+            self.pool.close()
+
+
+def layout_name(layout):
+    """"TP2xCP2+SP", "EP2", "TP1" ... of a layout dict (or "reference")."""
+    if layout == "reference":
+        return "the reference (each sequence alone, TP1)"
+    parts = [f"{key.upper()}{layout[key]}" for key in ("tp", "cp", "ep", "pp") if (layout.get(key) or 1) > 1]
+    return "x".join(parts or ["TP1"]) + ("+SP" if layout.get("sp") else "")
+
+
+def main(argv=None):
+    """``python -m mtp_overlay.testing.verify --world-size N [--log FILE]``: one JSON request per line on
+    stdin, one JSON answer per line on stdout (an error as ``{"error": ..., "traceback": ...}``),
+    progress on stderr; ends at the end of stdin."""
+    import argparse
+    import traceback
+
+    parser = argparse.ArgumentParser(prog="python -m mtp_overlay.testing.verify")
+    parser.add_argument("--world-size", type=int, required=True)
+    parser.add_argument("--log", help="the ranks' output (default: a temporary file)")
+    options = parser.parse_args(argv)
+    replies = os.fdopen(os.dup(sys.stdout.fileno()), "w")
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # anything printed by accident goes to stderr
+    log = options.log
+    if log is None:
+        import tempfile
+
+        log = os.path.join(tempfile.mkdtemp(prefix="mtp-overlay-verify-"), "ranks.log")
+
+    def progress(line):
+        print(f"mtp-overlay verify: {line}", file=sys.stderr, flush=True)
+
+    engine = Engine(options.world_size, log=log, progress=progress)
+    try:
+        for line in sys.stdin:
+            if not line.strip():
+                continue
+            try:
+                answer = engine.request(json.loads(line))
+            except Exception as error:  # noqa: BLE001 - the product reports it, with the ranks' log
+                answer = dict(error=f"{type(error).__name__}: {error}", traceback=traceback.format_exc(), log=log)
+            replies.write(json.dumps(answer) + "\n")
+            replies.flush()
+    finally:
+        engine.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,332 @@
+"""``mtp_overlay.verify``: prove on a CPU that *your* config and layout train the MTP head on the right
+tokens with the right weight, stock and with the overlay.
+
+The user's model (a Hugging Face config, or a Megatron-Bridge provider / recipe by module path) is
+shrunk to CPU size keeping its shape (`shrink`), a sample of their data's lengths and prompt lengths
+is shrunk alike and given distinct token ids (`data`), and the test bed's engine
+(``mtp_overlay.testing.verify``, run as a child process: `engine`) builds it with Megatron-Bridge's
+provider on gloo ranks and runs Megatron's own training step: each sequence alone, unpacked, at TP1
+(the numeric reference), then the asked layout and packing stock, with the overlay's megatron-core
+fixes, and with all of them but one, in turn. The judge (`report`) holds every step to the numbers of
+the reference and to the positions of the oracle (`oracle`: which (position, target) pairs each MTP
+depth may train, from the tokens and the mask alone), names the fixes the config needs with the
+case that shows why, and marks a difference the overlay leaves as a possible new defect with the
+smallest layout that still shows it (the engine reruns the overlay on each smaller layout).
+
+Not run, and said so in the report: layouts above ``max_ranks`` processes (the largest smaller layout
+that fits runs instead). Data-parallel ranks get the same microbatch.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from . import data as _data
+from . import inputs
+from . import report as _report
+from .layout import Layout
+from .report import Report
+from .shrink import Shrunk, shrink
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from .engine import Engine
+
+__all__ = ["PACKINGS", "LOSSES", "MASKS", "Layout", "Report", "verify"]
+
+PACKINGS = ("none", "thd-padded", "thd-real-lengths")
+LOSSES = ("per-token", "2-output", "3-output")
+MASKS = ("passed", "scoped")  # the trainer passes the MTP mask as loss_mask, or scopes it (mtp.loss_mask_scope)
+MAX_RANKS = 8
+SEED = 1234
+
+
+def verify(
+    hf_config: str | os.PathLike[str] | None = None,
+    *,
+    provider: str | None = None,
+    tp: int = 1,
+    cp: int = 1,
+    ep: int = 1,
+    etp: int | None = None,
+    pp: int = 1,
+    sp: bool = False,
+    world_size: int | None = None,
+    packing: str = "thd-padded",
+    loss: str = "per-token",
+    forward: str = "rl",
+    mtp_mask: str = "passed",
+    mtp_num_layers: int | None = None,
+    repeated_layer: bool | None = None,
+    scatter_embedding: bool | None = None,
+    layers: str = "auto",
+    data: str | os.PathLike[str] | None = None,
+    pad_multiple: int | None = None,
+    tolerance: float = _report.TOLERANCE,
+    max_ranks: int = MAX_RANKS,
+    search: bool = True,
+    log: str | None = None,
+    progress: Callable[[str], None] | None = None,
+    engine: Engine | None = None,
+) -> Report:
+    """Verify one config on one layout; the `Report` (``report.ok``, ``report.exit_code``, ``.text()``).
+
+    hf_config: a folder holding ``config.json``, or the file; provider: ``MODULE:NAME`` or
+    ``FILE.py:NAME`` (a provider, its class, or a function returning one or a recipe's
+    ``ConfigContainer``); exactly one of the two. tp, cp, ep, etp, pp, sp, world_size: the layout
+    (`Layout`). packing: one of PACKINGS ("thd-padded": NeMo-RL's default, ``cu_seqlens_q`` padded;
+    "thd-real-lengths": real lengths in ``cu_seqlens_q``, the self-slicing path). loss: one of LOSSES
+    ("per-token": ``calculate_per_token_loss``). forward: "rl" (no labels) or "sft". mtp_mask: one of
+    MASKS. mtp_num_layers, repeated_layer, scatter_embedding: overrides of the config's MTP depth, repeated
+    MTP layer and ``scatter_embedding_sequence_parallel``. layers: "auto", "all" or "runs" (`shrink`).
+    data: a JSONL sample of ``{"tokens": N, "prompt": P}`` lines (`data`). pad_multiple: the packer's
+    per-sequence padding (default NeMo-RL's: 2·CP·TP under CP, TP under SP). tolerance: the largest
+    relative error that counts as equal. max_ranks: the most processes to start. search: rerun the
+    overlay on smaller layouts when it differs. log: the ranks' output. progress: called with each
+    progress line (default: stderr). engine: what runs the test bed (default: `engine.ChildEngine`).
+
+    Raises ValueError naming the argument for bad input and for a config the test bed cannot build;
+    RuntimeError when the engine cannot run at all.
+    """
+    started = time.perf_counter()
+    _check_options(packing, loss, forward, mtp_mask, tolerance, max_ranks)
+    if (hf_config is None) == (provider is None):
+        raise ValueError("give exactly one of --hf-config (a Hugging Face config) and --provider (a Bridge provider)")
+    layout = Layout(tp=tp, cp=cp, ep=ep, etp=etp, pp=pp, sp=sp, world=world_size)
+    run_layout, not_run = layout_to_run(layout, max_ranks)
+
+    def shrunk_for(values: dict[str, object], keyspace: str) -> Shrunk:
+        return shrink(values, layout, keyspace=keyspace, mtp_num_layers=mtp_num_layers, repeated_layer=repeated_layer,
+                      layers=layers, scatter_embedding_sequence_parallel=scatter_embedding)
+
+    shrunk = sample = None
+    if hf_config is not None:  # everything checked before a process starts
+        values = inputs.read_hf_config(hf_config)
+        shrunk = shrunk_for(values, "hf")
+        sample = _data.sample(data, shrunk.vocab, seed=0)
+        check_padding(sample, run_layout, packing, pad_multiple)
+        name = inputs.model_name(values, os.fspath(hf_config))
+    else:
+        name = inputs.check_provider_path(str(provider))
+    fixes, phases = megatron_core_fixes(), []
+    runner = engine if engine is not None else _child(run_layout.world_size, log, progress)
+    try:
+        if shrunk is None or sample is None:  # a provider: its fields come from the engine (Bridge imports it)
+            described = runner.request(dict(op="describe", model=dict(kind="provider", path=name)))
+            _raise_plan_error(described)
+            fields = described.get("fields")
+            if not isinstance(fields, dict):
+                raise RuntimeError(f"the verify engine described the provider as {described!r}")
+            shrunk = shrunk_for(fields, "provider")
+            sample = _data.sample(data, shrunk.vocab, seed=0)
+            check_padding(sample, run_layout, packing, pad_multiple)
+            phases += _startup(described, run_layout.world_size) + [("the provider", _seconds(described))]
+        plan = _plan(shrunk, sample, name, loss=loss, forward=forward, mtp_mask=mtp_mask, packing=packing,
+                     pad_multiple=pad_multiple)
+        first = _request(runner, plan, [["reference", [["reference", []]]]])
+        phases += _startup(first, run_layout.world_size) + [("reference (TP1, each sequence alone)", _seconds(first))]
+        reference_row = _answers(first)[0]
+        cases = [["stock", []], ["overlay", fixes]] + ablations(fixes)
+        second = _request(runner, plan, [[run_layout.as_dict(), cases]])
+        phases.append((f"{run_layout.name}: {len(cases)} steps", _seconds(second)))
+        depths = shrunk.mtp_depth
+
+        def judged_as(answer: dict[str, object], where: Layout | None,
+                      reference: dict[str, object] | None) -> _report.Case:
+            named = dict(answer, layout_name=where.name if where is not None else "TP1, each sequence alone")
+            return _report.judge_case(named, sample, reference, forward, depths, tolerance)
+
+        judged = [judged_as(answer, run_layout, reference_row) for answer in _answers(second)]
+        searched: list[_report.Case] = []
+        smaller = [small for small in run_layout.smaller() if small.world_size <= run_layout.world_size]
+        if search and judged[1].differs and smaller:
+            found = _request(runner, plan, [[small.as_dict(), [["overlay", fixes]]] for small in smaller])
+            phases.append((f"{len(smaller)} smaller layouts", _seconds(found)))
+            searched = [judged_as(answer, small, reference_row) for answer, small in zip(_answers(found), smaller)]
+    finally:
+        if engine is None:
+            runner.close()
+    phases.append(("total, the child process's start included", round(time.perf_counter() - started, 1)))
+    built = first.get("built")
+    return Report(
+        model=name, layout=layout.name, packing=packing, shrunk=shrunk.as_dict(),
+        built=dict(built) if isinstance(built, dict) else {}, sample=sample.as_dict(),
+        reference=judged_as(reference_row, None, None),
+        stock=judged[0], overlay=judged[1], ablations=tuple(judged[2:]), search=tuple(searched),
+        needs=_report.needs(judged[1], judged[2:], symptoms(fixes)), not_run=tuple(not_run),
+        notes=tuple(notes(run_layout, loss, shrunk, packing, pad_multiple)), phases=tuple(phases), tolerance=tolerance,
+    )
+
+
+def _check_options(packing: str, loss: str, forward: str, mtp_mask: str, tolerance: float, max_ranks: int) -> None:
+    """ValueError naming the flag of a choice verify does not know or a combination it cannot run."""
+    from .oracle import FORWARDS
+
+    for name, value, allowed in (("--packing", packing, PACKINGS), ("--loss", loss, LOSSES),
+                                 ("--forward", forward, FORWARDS), ("--mtp-mask", mtp_mask, MASKS)):
+        if value not in allowed:
+            raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
+    if mtp_mask == "scoped" and forward != "rl":
+        raise ValueError("--mtp-mask scoped needs --forward rl: a mask is scoped for the RL forward only")
+    if not (isinstance(tolerance, float) and 0 < tolerance < 1):
+        raise ValueError(f"--tolerance must be a number in (0, 1), got {tolerance!r}")
+    if not isinstance(max_ranks, int) or max_ranks < 1:
+        raise ValueError(f"--max-ranks must be a positive integer, got {max_ranks!r}")
+
+
+def _plan(shrunk: Shrunk, sample: _data.Sample, name: str, *, loss: str, forward: str, mtp_mask: str,
+          packing: str, pad_multiple: int | None) -> dict[str, object]:
+    """What the engine builds and runs (``testing/verify.py`` reads it)."""
+    if shrunk.keyspace == "hf":
+        model: dict[str, object] = dict(kind="hf-config", config=shrunk.values)
+    else:  # the provider's fields the shrink changed, set on it after it is made
+        changed = {change.key for change in shrunk.changes}
+        model = dict(kind="provider", path=name,
+                     overrides={key: value for key, value in shrunk.values.items() if key in changed})
+    scatter = shrunk.values.get("scatter_embedding_sequence_parallel")
+    return dict(
+        model=model, recipe=shrunk.settings, seed=SEED, loss=loss, forward=forward,
+        mtp_mask="explicit" if mtp_mask == "passed" else "scoped",
+        scatter_embedding_sequence_parallel=scatter if isinstance(scatter, bool) else True,
+        sequences=[list(sequence.tokens) for sequence in sample.sequences],
+        prompts=[sequence.prompt for sequence in sample.sequences], packing=packing, pad_multiple=pad_multiple,
+    )
+
+
+def notes(layout: Layout, loss: str, shrunk: Shrunk, packing: str, pad_multiple: int | None) -> list[str]:
+    """What a reader of the report must know about how this run relates to the real one."""
+    found = []
+    if packing == "thd-real-lengths" and (pad_multiple or nemo_rl_multiple(layout)) == 1:
+        found.append("NeMo-RL pads packed sequences to a multiple of 1 at this layout: the real and the padded "
+                     "boundaries coincide (give --pad-multiple to verify a packer that pads)")
+    cores = os.cpu_count() or 1
+    if layout.world_size > cores:
+        found.append(f"{layout.world_size} ranks on {cores} cores: oversubscribed (slower, the same numbers)")
+    if layout.data_parallel > 1:
+        found.append(f"DP{layout.data_parallel}: every data-parallel rank gets the same microbatch (MTP token "
+                     "counts over DP are not reduced upstream, Megatron-LM #7452)")
+    if loss == "3-output" and layout.cp > 1:
+        found.append("a 3-output loss without calculate_per_token_loss averages per-rank LM means under CP "
+                     "(Megatron-LM PR #7513): the LM gradient differs, which no MTP fix changes")
+    if shrunk.experts:
+        found.append("the MoE load-balancing loss is off (a function of the whole microbatch's routing: no "
+                     "per-sequence reference exists with it): defects of the MTP block's aux loss (its routers "
+                     "built without is_mtp_layer, Megatron-LM PR #6748) are not checked here; scripts/parity.py's "
+                     "aux-loss rows check them")
+    return found
+
+
+def layout_to_run(layout: Layout, max_ranks: int) -> tuple[Layout, list[str]]:
+    """The layout verify runs for ``layout``, and what it does not run, in words: a world size above
+    ``max_ranks`` runs the largest smaller layout that fits instead (a smaller size of a dimension is not
+    an exact stand-in for the larger, so the asked one is named as not run)."""
+    if layout.world_size <= max_ranks:
+        return layout, []
+    fitting = [small for small in layout.smaller() if small.world_size <= max_ranks]
+    # the most ranks, then the most dimensions kept parallel (CP2 x TP4 shows more than TP8 alone)
+    instead = max(fitting, key=lambda small: (small.world_size, sum(size > 1 for size in (small.tp, small.cp, small.pp,
+                                                                                          small.ep)), small.cp))
+    return instead, [f"{layout.name}: {layout.world_size} ranks, above --max-ranks {max_ranks}; {instead.name} ran "
+                     "instead (a smaller size of a dimension is not an exact stand-in for the larger)"]
+
+
+def megatron_core_fixes() -> list[str]:
+    """The overlay's fixes on megatron-core (every target a megatron.core module), in install order."""
+    from ..table import FIXES
+
+    return [name for name, targets in FIXES if all(target.startswith("megatron.core") for target in targets)]
+
+
+def ablations(fixes: list[str]) -> list[list[object]]:
+    """The overlay without each fix in turn, then without each fix together with a fix that reads its state
+    (``Declaration.reads``: mtp-loss-mask refuses a layout mtp-packed-roll would handle, so without
+    mtp-packed-roll alone the step is refused; without both it shows what stock's roll trains)."""
+    from ..declarations import load
+
+    cases: list[list[object]] = [[f"overlay without {fix}", [other for other in fixes if other != fix]]
+                                 for fix in fixes]
+    for reader in fixes:
+        for read in load(reader).reads:
+            if read in fixes:
+                cases.append([f"overlay without {read} and {reader}",
+                              [other for other in fixes if other not in (read, reader)]])
+    return cases
+
+
+def symptoms(fixes: list[str]) -> dict[str, str]:
+    """What goes wrong on stock, per fix (its declaration's ``symptom``)."""
+    from ..declarations import load
+
+    return {fix: load(fix).symptom for fix in fixes}
+
+
+def nemo_rl_multiple(layout: Layout) -> int:
+    """NeMo-RL's per-sequence padding multiple: 2·CP under CP, times TP under SP
+    (``mtp_overlay.mtp.padding_multiple``, restated here so the check needs no torch)."""
+    return (2 * layout.cp if layout.cp > 1 else 1) * (layout.tp if layout.sp else 1)
+
+
+def check_padding(sample: _data.Sample, layout: Layout, packing: str, pad_multiple: int | None) -> None:
+    """ValueError naming ``--cp`` (or ``--tp``) when the padded lengths do not fit the layout: under CP
+    each packed sequence (a BSHD row) is cut into 2·CP chunks, under SP the row into TP parts."""
+    if pad_multiple is not None and (not isinstance(pad_multiple, int) or pad_multiple < 1):
+        raise ValueError(f"--pad-multiple must be a positive integer, got {pad_multiple!r}")
+    multiple = pad_multiple or nemo_rl_multiple(layout)
+    padded = [-(-sequence.length // multiple) * multiple for sequence in sample.sequences]
+    rows = padded if packing != "none" else [max(padded)]
+    chunks = 2 * layout.cp
+    if layout.cp > 1:
+        for index, length in enumerate(rows):
+            if length % chunks:
+                what = f"sequence {index} ({sample.sequences[index].length} tokens)" if packing != "none" else "the row"
+                raise ValueError(f"--cp {layout.cp} cuts each {'sequence' if packing != 'none' else 'row'} into "
+                                 f"2·CP = {chunks} chunks, but --pad-multiple {multiple} pads {what} to {length}, "
+                                 f"not a multiple of {chunks}")
+    total = sum(rows) if packing != "none" else rows[0]
+    if layout.sp and total % layout.tp:
+        raise ValueError(f"--tp {layout.tp} with --sp splits the sequence over {layout.tp} ranks, but --pad-multiple "
+                         f"{multiple} gives {total} tokens")
+
+
+def _child(world: int, log: str | None, progress: Callable[[str], None] | None) -> Engine:
+    from .engine import ChildEngine
+
+    return ChildEngine(world, log=log, progress=progress)
+
+
+def _request(runner: Engine, plan: dict[str, object], jobs: list[list[object]]) -> dict[str, object]:
+    answer = runner.request(dict(op="run", plan=plan, jobs=jobs))
+    _raise_plan_error(answer)
+    return answer
+
+
+def _raise_plan_error(answer: dict[str, object]) -> None:
+    error = answer.get("error")
+    if error:
+        if answer.get("traceback"):
+            raise RuntimeError(f"the verify engine failed: {error}\n{answer['traceback']}"
+                               + (f"\n(the ranks' output: {answer['log']})" if answer.get("log") else ""))
+        raise ValueError(f"the test bed cannot build this config: {error}")
+
+
+def _answers(answer: dict[str, object]) -> list[dict[str, object]]:
+    cases = answer.get("cases")
+    if not isinstance(cases, list) or not all(isinstance(case, dict) for case in cases):
+        raise RuntimeError(f"the verify engine answered without cases: {str(answer)[:300]}")
+    return cases
+
+
+def _startup(answer: dict[str, object], world: int) -> list[tuple[str, float]]:
+    """The start-up phase of the engine's first answer (none on later ones)."""
+    seconds = answer.get("startup")
+    if not isinstance(seconds, (int, float)):
+        return []
+    return [(f"start-up ({world} ranks: megatron-core and Megatron-Bridge imports)", float(seconds))]
+
+
+def _seconds(answer: dict[str, object]) -> float:
+    seconds = answer.get("seconds")
+    return float(seconds) if isinstance(seconds, (int, float)) else 0.0
