@@ -176,14 +176,17 @@ def main(argv=None):
             rows.append(dict(row, label=BRIDGE_MAIN_LABEL.format(**facts, core=core)))
     order = declarations.names()
     rows.sort(key=lambda row: (order.index(row["name"]), "label" in row, Version(row["version"])))
-    # kept as they are: the main rows not re-measured and, with --distribution / --only, the rows of
-    # every declared fix not measured this time
-    remeasured = {name for names in measured.values() for name in names}
-    untouched = set(order) - remeasured if args.distribution or args.only else set()
+    # kept as they are: the main rows not re-measured, the rows of the distributions not asked for
+    # (--distribution) and of the declared fixes not asked for (--only)
+    def untouched(row):
+        return row is not None and (
+            (args.distribution and row["dist"] not in args.distribution)
+            or (args.only and row["name"] in order and row["name"] not in args.only))
+
     kept = [] if not SUPPORT.exists() else [
         line for line in SUPPORT.read_text().splitlines()
         if (MAIN_ROW.match(line) and not core_main) or (BRIDGE_MAIN_ROW.match(line) and bridge is None)
-        or (TABLE_ROW.match(line) and TABLE_ROW.match(line)["name"] in untouched)
+        or untouched(TABLE_ROW.match(line))
     ]
     pins = {distribution: distribution_version(distribution) for distribution in fixes_by_distribution()}
     lines = [
