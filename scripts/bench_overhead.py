@@ -7,8 +7,9 @@ wrappers on megatron-core) and uninstalled (stock), so machine drift hits both s
 The MoE step: the zoo HybridModel (attention, MoE, MLP; the Super recipe's MTP ``"*E"`` at 2
 depths, one repeated layer; MoE aux loss on) through Megatron's own step (DDP, the schedule,
 ``finalize_model_grads``; RL forward, per-token loss), one model built stock and one built with the
-overlay installed (mtp-moe-router's hook acts while the model is built), three sides per round in
-rotating order: stock, the second model with mtp-moe-router alone, with the whole overlay. Then
+overlay installed (mtp-moe-router's hook acts while the model is built), four sides per round in
+rotating order: stock, the second model with no fix installed (what the model instance alone costs:
+the same code as stock), with mtp-moe-router alone, with the whole overlay. Then
 which of mtp-moe-router's functions ran while its model was built and over its steps (counted with
 ``sys.setprofile``), and their own time per step (cProfile): a build-time and a logging-only hook
 show up as calls per build and per router logging call (two per router application), nothing per
@@ -27,6 +28,7 @@ from mtp_overlay.testing.launcher import run_ranks_checked
 MOE_MODEL = "zoo, aux loss"  # testing.parity's zoo with the MoE aux loss on
 FIX = "mtp-moe-router"
 PROFILED_STEPS = 20
+MODEL_ONLY = "its model, no fix"  # the MoE step's side: the overlay-built model stepped by stock code
 
 
 def interleaved_steps(repeats):
@@ -80,8 +82,8 @@ def _own_seconds(profile, folder):
 
 
 def interleaved_moe_steps(repeats):
-    """Rank worker: the zoo's step on three sides in rotating order each round (stock; mtp-moe-router
-    alone; the whole overlay), their medians and each side's median ratio to the same round's stock
+    """Rank worker: the zoo's step on four sides in rotating order each round (stock; the overlay's
+    model with no fix installed; mtp-moe-router alone; the whole overlay), their medians and each side's median ratio to the same round's stock
     step; and mtp-moe-router's functions that ran while its model was built and over its steps."""
     import cProfile
     import os
@@ -103,10 +105,11 @@ def interleaved_moe_steps(repeats):
         built = parity.build(MOE_MODEL, sequence_parallel=sp)
     overlay = MegatronStep(built, optimizer=None)
     batch = [parity.microbatch(parity.Case(MOE_MODEL, "bshd"))]
-    sides = {"stock": (stock, []), FIX: (overlay, [FIX]), "overlay": (overlay, None)}  # None: every fix
+    sides = {"stock": (stock, []), MODEL_ONLY: (overlay, []), FIX: (overlay, [FIX]),
+             "overlay": (overlay, None)}  # None: every fix
     times = {side: [] for side in sides}
     for round_ in range(repeats + 2):
-        order = list(sides)[round_ % 3:] + list(sides)[: round_ % 3]
+        order = list(sides)[round_ % len(sides):] + list(sides)[: round_ % len(sides)]
         for side in order:
             step, fixes = sides[side]
             mtp_overlay.uninstall()
@@ -141,7 +144,7 @@ def main(repeats=150, moe_repeats=40):
         medians, paired = found["medians"], found["paired"]
         print(f"{label:7s} zoo MoE+MTP Megatron step: stock {medians['stock'] * 1e3:.2f} ms; "
               + "; ".join(f"{side} {medians[side] * 1e3:.2f} ms, ratio {medians[side] / medians['stock']:.3f}, "
-                          f"paired {paired[side]:.3f}" for side in (FIX, "overlay"))
+                          f"paired {paired[side]:.3f}" for side in (MODEL_ONLY, FIX, "overlay"))
               + f" (medians of {moe_repeats} rounds, sides in rotating order)")
         build = ", ".join(f"{name} {count}" for name, count in sorted(found["build"].items())) or "none"
         own = {name: seconds / PROFILED_STEPS * 1e6 for name, seconds in found["own"].items()}
