@@ -16,7 +16,9 @@ show up as calls per build and per router logging call (two per router applicati
 token.
 
 Prints the median step time of each side, their ratio, and for the MoE step also the median of each
-side's ratios to the same round's stock step (goal <= 1.01).
+side's ratios to the same round's stock step and the ratios of the rank's median CPU time per step
+(``time.process_time``; each rank runs one torch thread, so other processes' load stays out of it
+more than out of wall time) (goal <= 1.01).
 Usage: PYTHONPATH=$PWD python scripts/bench_overhead.py [REPEATS [MOE_REPEATS]]
 """
 
@@ -107,17 +109,18 @@ def interleaved_moe_steps(repeats):
     batch = [parity.microbatch(parity.Case(MOE_MODEL, "bshd"))]
     sides = {"stock": (stock, []), MODEL_ONLY: (overlay, []), FIX: (overlay, [FIX]),
              "overlay": (overlay, None)}  # None: every fix
-    times = {side: [] for side in sides}
+    times, cpu = {side: [] for side in sides}, {side: [] for side in sides}
     for round_ in range(repeats + 2):
         order = list(sides)[round_ % len(sides):] + list(sides)[: round_ % len(sides)]
         for side in order:
             step, fixes = sides[side]
             mtp_overlay.uninstall()
             mtp_overlay.install(only=fixes)
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             step.step(batch, labels=False, update=False)
             if round_ >= 2:  # warm-up rounds are not counted
                 times[side].append(time.perf_counter() - start)
+                cpu[side].append(time.process_time() - start_cpu)
     mtp_overlay.install()
     with _Calls(folder) as steps:
         for _ in range(PROFILED_STEPS):
@@ -129,7 +132,7 @@ def interleaved_moe_steps(repeats):
     profile.disable()
     paired = {side: statistics.median(t / s for s, t in zip(times["stock"], times[side])) for side in sides}
     return dict(medians={side: statistics.median(values) for side, values in times.items()}, paired=paired,
-                build=build.calls, steps=steps.calls, own=_own_seconds(profile, folder))
+                cpu={side: statistics.median(values) for side, values in cpu.items()}, build=build.calls, steps=steps.calls, own=_own_seconds(profile, folder))
 
 
 def main(repeats=150, moe_repeats=40):
@@ -146,6 +149,10 @@ def main(repeats=150, moe_repeats=40):
               + "; ".join(f"{side} {medians[side] * 1e3:.2f} ms, ratio {medians[side] / medians['stock']:.3f}, "
                           f"paired {paired[side]:.3f}" for side in (MODEL_ONLY, FIX, "overlay"))
               + f" (medians of {moe_repeats} rounds, sides in rotating order)")
+        print("        the rank's CPU time (one torch thread a rank: less of the machine's load in it): stock "
+              f"{found['cpu']['stock'] * 1e3:.2f} ms; "
+              + "; ".join(f"{side} ratio {found['cpu'][side] / found['cpu']['stock']:.3f}"
+                          for side in (MODEL_ONLY, FIX, "overlay")))
         build = ", ".join(f"{name} {count}" for name, count in sorted(found["build"].items())) or "none"
         own = {name: seconds / PROFILED_STEPS * 1e6 for name, seconds in found["own"].items()}
         step = ", ".join(f"{name} {count / PROFILED_STEPS:g} ({own.get(name, 0):.1f} us own)"
