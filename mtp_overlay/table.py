@@ -19,6 +19,12 @@ FIXES = (
         "megatron.core.models.gpt.gpt_model",
         "megatron.core.models.hybrid.hybrid_model",
     )),
+    ("mtp-moe-router", (
+        "megatron.core.transformer.multi_token_prediction",
+        "megatron.core.transformer.moe.router",
+        "megatron.core.models.hybrid.hybrid_block",
+        "megatron.core.ssm.mamba_block",
+    )),
     ("mtp-multimodal", (
         "megatron.core.models.multimodal.llava_model",
         "megatron.core.models.mimo.model.base",

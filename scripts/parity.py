@@ -12,8 +12,11 @@ Megatron's own training step (DDP, get_forward_backward_func, finalize_model_gra
 (mtp_overlay.testing.parity). References: BSHD at TP1; for packed THD rows each sequence alone,
 unpacked, at TP1. --compose: HybridModel on the unpadded THD row (NeMo-RL's
 model_slices_context_parallel_inputs flavour), every subset that matters of the megatron-core fixes,
-MTP-block / rest-of-model gradient relerr against each sequence alone at TP1.
-Usage: PYTHONPATH=$PWD python scripts/parity.py [--compose] [--no-bridge] [--parallelisms P,P] [--log FILE]
+MTP-block / rest-of-model gradient relerr against each sequence alone at TP1; and the zoo with the MoE
+aux loss on (BSHD) with and without mtp-moe-router and mtp-cp-loss-scale, against the TP1 step with
+its MTP block's MoE layers flagged by hand.
+Usage: PYTHONPATH=$PWD python scripts/parity.py [--compose] [--no-bridge] [--model M ...] [--parallelisms P,P]
+[--log FILE]
 """
 
 import argparse
@@ -31,6 +34,9 @@ def main():
     parser.add_argument("--no-bridge", action="store_true",
                         help="leave out the NemotronH HybridModel built by Megatron-Bridge's provider (its import "
                              "costs ~15 s a rank; left out anyway when megatron-bridge is not installed)")
+    parser.add_argument("--model", action="append", choices=parity.MODELS, metavar="MODEL",
+                        help=f"a model of the parity table to run (repeatable; default: all of "
+                             f"{', '.join(repr(model) for model in parity.MODELS)})")
     parser.add_argument("--parallelisms", default=",".join(parity.PARALLELISMS),
                         help=f"comma-separated rows of the parity table to run (default: all of "
                              f"{', '.join(parity.PARALLELISMS)}; the TP1 references always run)")
@@ -46,7 +52,9 @@ def main():
     if options.compose:
         print(parity.composition_markdown(*parity.run_composition(log=log)))
     else:
-        models = [model for model in parity.MODELS if bridge or model not in parity.BRIDGE_MODELS]
+        models = [model for model in options.model or parity.MODELS if bridge or model not in parity.BRIDGE_MODELS]
+        if not models:
+            parser.error(f"--model: {', '.join(options.model)} needs Megatron-Bridge ({BRIDGE_MISSING})")
         rows = parity.parity_table(models, parallelisms, log=log)
         print(parity.markdown(rows))
         notes = parity.notes_markdown(rows)

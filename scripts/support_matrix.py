@@ -18,6 +18,9 @@ local version no release carries: the main rows are never compared with the defa
 Bridge's targets are imported through the test bed's scoped stand-ins for its optional packages
 (`testing.bridge.import_stand_ins`: Transformer Engine, ModelOpt... on this CPU stack), as its stock
 runs are: without them no Bridge module imports here, and every Bridge row would read unsupported.
+
+``--only FIX`` (repeatable) measures those fixes alone and keeps every other fix's rows of
+docs/SUPPORT.md as they are: a new or changed fix's rows without re-measuring the others.
 """
 
 import argparse
@@ -80,10 +83,11 @@ def releases_of(distribution):
     return RELEASES.get(distribution, [None])
 
 
-def measure(distribution, site):
-    """The rows of every fix of ``distribution``, measured with ``site`` first on the path ("" for the venv's):
-    `mtp_overlay.check` with the test bed's stock runs, each row's run in the one wording (`StockRun`)."""
-    code = MEASURE.format(names=fixes_by_distribution()[distribution])
+def measure(distribution, site, names=None):
+    """The rows of the fixes ``names`` (default: every fix) of ``distribution``, measured with ``site``
+    first on the path ("" for the venv's): `mtp_overlay.check` with the test bed's stock runs, each
+    row's run in the one wording (`StockRun`)."""
+    code = MEASURE.format(names=names or fixes_by_distribution()[distribution])
     result = run_with_release(site, code, timeout=1800)
     lines = [line for line in result.stdout.splitlines() if line.startswith("MATRIX ")]
     if result.returncode or not lines:
@@ -130,6 +134,8 @@ def parse_args(argv=None):
     parser.add_argument("--bridge-main", metavar="SOURCE",
                         help="also measure Megatron-Bridge main (with --megatron-main's megatron-core when given): its "
                              "git directory, or a snapshot folder made from one")
+    parser.add_argument("--only", action="append", metavar="FIX", choices=declarations.names(),
+                        help="measure this fix only (repeatable); the other fixes' rows are kept as they are")
     return parser.parse_args(argv)
 
 
@@ -142,36 +148,45 @@ def main(argv=None):
     if unknown:
         raise SystemExit(f"--distribution: no fix targets {unknown}; the fixes' distributions are "
                          f"{sorted(fixes_by_distribution())}")
-    for distribution in fixes_by_distribution():
-        if args.distribution and distribution not in args.distribution:
-            continue
-        for version in releases_of(distribution):
+    # distribution -> its fixes to measure (--distribution, --only); every other fix's rows are kept
+    measured = {distribution: [name for name in names if args.only is None or name in args.only]
+                for distribution, names in fixes_by_distribution().items()
+                if not args.distribution or distribution in args.distribution}
+    for distribution, names in measured.items():
+        for version in releases_of(distribution) if names else ():
             print(f"measuring {distribution} {version or distribution_version(distribution)}", file=sys.stderr)
-            rows += measure(distribution, release_site(distribution, version) if version else "")
-    core_main = snapshot is not None and (not args.distribution or "megatron-core" in args.distribution)
+            rows += measure(distribution, release_site(distribution, version) if version else "", names)
+    core_main = snapshot is not None and bool(measured.get("megatron-core"))
     if core_main:  # (with --distribution megatron-bridge alone the snapshot only pairs Bridge main)
         facts = snapshot_of(snapshot)
         print(f"measuring megatron-core from Megatron-LM main {facts['short']} ({facts['date']})", file=sys.stderr)
-        for row in measure("megatron-core", snapshot):
+        for row in measure("megatron-core", snapshot, measured["megatron-core"]):
             if row["version"] != facts["version"]:
                 raise SystemExit(f"{snapshot}: megatron-core answered {row['version']}, not the snapshot's {facts['version']}")
             rows.append(dict(row, label=MAIN_LABEL.format(**facts)))
-    if bridge is not None:
+    if bridge is not None and measured.get("megatron-bridge"):
         facts = snapshot_of(bridge)
         core = snapshot_of(snapshot)["version"] if snapshot is not None else distribution_version("megatron-core")
         print(f"measuring megatron-bridge from Bridge main {facts['short']} ({facts['date']}) on megatron-core {core}",
               file=sys.stderr)
         site = os.pathsep.join(str(path) for path in (bridge, snapshot) if path is not None)
-        for row in measure("megatron-bridge", site):
+        for row in measure("megatron-bridge", site, measured["megatron-bridge"]):
             if row["version"] != facts["version"]:
                 raise SystemExit(f"{bridge}: megatron-bridge answered {row['version']}, not the snapshot's {facts['version']}")
             rows.append(dict(row, label=BRIDGE_MAIN_LABEL.format(**facts, core=core)))
     order = declarations.names()
     rows.sort(key=lambda row: (order.index(row["name"]), "label" in row, Version(row["version"])))
+    # kept as they are: the main rows not re-measured, the rows of the distributions not asked for
+    # (--distribution) and of the declared fixes not asked for (--only)
+    def untouched(row):
+        return row is not None and (
+            (args.distribution and row["dist"] not in args.distribution)
+            or (args.only and row["name"] in order and row["name"] not in args.only))
+
     kept = [] if not SUPPORT.exists() else [
         line for line in SUPPORT.read_text().splitlines()
         if (MAIN_ROW.match(line) and not core_main) or (BRIDGE_MAIN_ROW.match(line) and bridge is None)
-        or (args.distribution and TABLE_ROW.match(line) and TABLE_ROW.match(line)["dist"] not in args.distribution)
+        or untouched(TABLE_ROW.match(line))
     ]
     pins = {distribution: distribution_version(distribution) for distribution in fixes_by_distribution()}
     lines = [

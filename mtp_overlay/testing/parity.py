@@ -19,10 +19,11 @@ whole microbatch's routing (padding included), not a sum over sequences, so a pe
 reference exists only without it (routing itself is per token, nothing dropped). The ``aux loss``
 zoo rows keep it (`AUX_LOSS_COEFF`) on the full-length BSHD batch only, with two references at TP1
 on the same batch: the model with ``is_mtp_layer`` set by hand on its MTP block's MoE layers
-(`moe.flag_mtp_moe_layers`: what upstream means, Megatron-LM PR #6748), which the overlay misses by
-the open defect of `OPEN_DEFECTS`, and stock itself (the layout check: every parallelism must give
-TP1's gradients, the defect included). The expert-parallel layouts (EP2, TP2xEP2+SP with expert
-tensor parallel size 1, as Nemotron 3 Super trains) run the MoE models only.
+(`moe.flag_mtp_moe_layers`: what upstream means, Megatron-LM PR #6748), which stock misses by the
+defect mtp-moe-router fixes (the repeated MTP layer's aux loss trained once per depth), and stock
+itself (the layout check: every parallelism must give TP1's gradients, the defect included). The
+expert-parallel layouts (EP2, TP2xEP2+SP with expert tensor parallel size 1, as Nemotron 3 Super
+trains) run the MoE models only.
 
 Layouts (``LAYOUTS``): BSHD (``make_batch``, 2 x 32), and one packed THD row of four sequences in
 NeMo-RL's two ``PackedSeqParams`` flavours, "padded" (``cu_seqlens_q`` padded) and "unpadded"
@@ -92,6 +93,10 @@ LOSSES = {  # MegatronStep.step arguments of the per-token loss modes
     "nemo-rl": dict(loss="nemo-rl", mtp_grad_scale="global-valid-tokens"),
 }
 
+
+# fixes whose hooks act while the model is built (mtp-moe-router flags the MTP block's MoE layers
+# as MultiTokenPredictionLayer builds them): a case's model is built with those of its fixes installed
+BUILT_WITH = (MTP_MOE_ROUTER,)
 
 # modules of multimodal wrappers around a language model (LLaVAModel, MimoModel): no parity model is one
 MULTIMODAL_WRAPPERS = ("megatron.core.models.multimodal.", "megatron.core.models.mimo.")
@@ -229,11 +234,12 @@ def _own_attention_backend():
 def run_cases(cases):
     """Rank worker: every case in order; on global rank 0 a list of Outcomes (None elsewhere).
 
-    Each (model, sequence parallelism, wrapper, MTP MoE flag) is built and wrapped in MegatronStep
-    once; every step starts from the built buffers (``finalize_model_grads`` moves a router's expert
-    bias each step). A case installs exactly its fixes (stock megatron-core otherwise). A step that
-    raises is recorded with its error: every rank fails at the same point (shape checks, layout
-    refusals), so the next case starts in step.
+    Each (model, sequence parallelism, wrapper, MTP MoE flag, build-time fixes) is built and wrapped
+    in MegatronStep once: by stock megatron-core, with only the case's fixes of `BUILT_WITH` installed
+    (their hooks act on the build); every step starts from the built buffers (``finalize_model_grads``
+    moves a router's expert bias each step). A case's step installs exactly its fixes (stock
+    megatron-core otherwise). A step that raises is recorded with its error: every rank fails at the
+    same point (shape checks, layout refusals), so the next case starts in step.
     """
     import torch
 
@@ -244,9 +250,11 @@ def run_cases(cases):
 
     steps, buffers, outcomes = {}, {}, []
     for case in cases:
-        key = (case.model, case.sequence_parallel, case.wrapper, case.mtp_moe_flag)
+        built_with = [fix for fix in case.fixes if fix in BUILT_WITH]
+        key = (case.model, case.sequence_parallel, case.wrapper, case.mtp_moe_flag, tuple(built_with))
         if key not in steps:
-            mtp_overlay.uninstall()  # every model is built by stock megatron-core
+            mtp_overlay.uninstall()  # stock megatron-core, but for the build-time fixes of the case
+            mtp_overlay.install(only=built_with)
             model = build(case.model, sequence_parallel=case.sequence_parallel, mtp_moe_flag=case.mtp_moe_flag)
             steps[key] = MegatronStep(SelfSlicingCP(model) if case.wrapper else model, optimizer=None)
             buffers[key] = [(buffer, buffer.detach().clone()) for buffer in model.buffers()]
@@ -337,6 +345,9 @@ def open_defects(model):
     return tuple(defect for defect in met if defect in OPEN_DEFECTS and defect not in megatron_core_fixes())
 
 
+COMPOSED_MOE = "zoo, aux loss"  # the composition's MoE model (`composition_cases`)
+
+
 def composition_cases(parallelism):
     """The real path with the fixes composed: HybridModel, the unpadded packed row (real ``cu_seqlens_q``,
     padded ``cu_seqlens_q_padded``), RL forward, response-only mask, at one parallelism.
@@ -345,7 +356,10 @@ def composition_cases(parallelism):
     scoped (``mtp_overlay.mtp.loss_mask_scope``: mtp-loss-mask's route) stock, each fix alone, all
     but one, all; with the mask passed explicitly stock, mtp-packed-roll and mtp-cp-loss-scale alone
     and together (with mtp-sp-scatter), all; stock and all with NeMo-RL's loss too, and through a
-    model that slices CP itself (``SelfSlicingCP``, full rows in). Named by `composition_name`.
+    model that slices CP itself (``SelfSlicingCP``, full rows in). Then the zoo with the MoE aux loss
+    on (`COMPOSED_MOE`: BSHD, the mask passed; its reference the TP1 step with the MTP MoE layers
+    flagged by hand): stock, mtp-moe-router alone, all but mtp-moe-router, all but
+    mtp-cp-loss-scale, all. Named by `composition_name`.
     """
     spec, everything = PARALLELISMS[parallelism], megatron_core_fixes()
     models = ("hybrid",) + (("hybrid, scatter=False",) if spec["sp"] else ())
@@ -362,6 +376,9 @@ def composition_cases(parallelism):
                 cases.append(Case(model, fixes=fixes, mtp_mask=route, loss="nemo-rl", **base))
         for fixes in ((), everything):
             cases.append(Case(model, fixes=fixes, wrapper=True, **base))
+    but = [tuple(f for f in everything if f != fix) for fix in (MTP_MOE_ROUTER, "mtp-cp-loss-scale")]
+    for fixes in [(), (MTP_MOE_ROUTER,)] + but + [everything]:
+        cases.append(Case(COMPOSED_MOE, "bshd", spec["sp"], spec["pad_multiple"], fixes))
     return cases
 
 
@@ -381,14 +398,23 @@ def composition_name(case):
 
 
 def composition_references():
-    """TP1, stock: each sequence of the packed row alone, HybridModel, both per-token losses."""
-    return [Case("hybrid", "reference", loss=loss) for loss in LOSSES]
+    """TP1, stock: each sequence of the packed row alone, HybridModel, both per-token losses; the
+    composition's MoE model on BSHD with its MTP MoE layers flagged by hand."""
+    return [Case("hybrid", "reference", loss=loss) for loss in LOSSES] + [Case(COMPOSED_MOE, "bshd", mtp_moe_flag=True)]
+
+
+def composition_reference_key(case):
+    """The key of `run_composition`'s references a composition case compares with: (model, loss)."""
+    return (case.model if case.model in AUX_LOSS_MODELS else "hybrid"), case.loss
 
 
 def needed_fixes(case, parallelism):
     """The fixes this composition case's path needs to train like the reference, and why."""
-    spec = PARALLELISMS[parallelism]
-    needs = {"mtp-packed-roll": "cu_seqlens_q holds the real boundaries of a padded layout"}
+    spec, needs = PARALLELISMS[parallelism], {}
+    if case.layout == "unpadded":
+        needs["mtp-packed-roll"] = "cu_seqlens_q holds the real boundaries of a padded layout"
+    if case.model in AUX_LOSS_MODELS:
+        needs[MTP_MOE_ROUTER] = "the MTP block's MoE router trains its aux loss once per MTP depth"
     if case.model in NOT_SCATTERING and spec["sp"]:
         needs["mtp-sp-scatter"] = "the embedding does not scatter to the sequence-parallel region"
     if case.mtp_mask == "scoped":
@@ -403,7 +429,7 @@ def expected_outcome(case, parallelism):
     mtp-loss-mask hook refuses the unpadded flavour without mtp-packed-roll) or "crash" (the stock
     MTP concat of a model that does not scatter its embedding under SP)."""
     missing = set(needed_fixes(case, parallelism)) - set(case.fixes)
-    if "mtp-loss-mask" in case.fixes and "mtp-packed-roll" not in case.fixes:
+    if case.layout == "unpadded" and "mtp-loss-mask" in case.fixes and "mtp-packed-roll" not in case.fixes:
         return "refused"
     if "mtp-sp-scatter" in missing:
         return "crash"
@@ -411,11 +437,12 @@ def expected_outcome(case, parallelism):
 
 
 def run_composition(parallelisms=("TP1", "CP2", "TP2xCP2+SP"), log=None):
-    """{loss: reference Outcome}, {parallelism: [Outcome]}: the references and composition cases at TP1
-    (one pool), then each other parallelism in its own pool."""
+    """{`composition_reference_key`: reference Outcome}, {parallelism: [Outcome]}: the references and
+    composition cases at TP1 (one pool), then each other parallelism in its own pool."""
+    count = len(composition_references())
     first = run_layout("TP1", composition_references() + composition_cases("TP1"), log=log)
-    references = {o.case.loss: o for o in first[: len(LOSSES)]}
-    outcomes = {"TP1": first[len(LOSSES):]}
+    references = {composition_reference_key(o.case): o for o in first[:count]}
+    outcomes = {"TP1": first[count:]}
     for parallelism in parallelisms:
         if parallelism != "TP1":
             outcomes[parallelism] = run_layout(parallelism, composition_cases(parallelism), log=log)
@@ -436,10 +463,10 @@ def composition_markdown(references, outcomes):
             elif outcome.error is not None:
                 cell = _error(outcome.error, 40)
             else:
-                *_, mtp, rest = outcome.compare(references[outcome.case.loss])
+                *_, mtp, rest = outcome.compare(references[composition_reference_key(outcome.case)])
                 cell = f"{mtp:.2g} / {rest:.2g}"
             cells.setdefault(name, {})[parallelism] = cell
-    lines = ["| case (HybridModel, THD unpadded, RL) | " + " | ".join(parallelisms) + " |",
+    lines = ["| case (RL; HybridModel: THD unpadded, zoo: BSHD) | " + " | ".join(parallelisms) + " |",
              "|" + " --- |" * (len(parallelisms) + 1)]
     for name, row in cells.items():
         lines.append(f"| {name} | " + " | ".join(row.get(p, "n/a") for p in parallelisms) + " |")
@@ -513,13 +540,16 @@ def markdown(rows):
 
 def row_note(model, row):
     """What a row's comparison means when it is not "overlay equals the reference": the open defects
-    (`OPEN_DEFECTS`) the overlay row carries and, for the aux-loss rows, the overlay's max |Δgrad|
-    (MTP / rest) against TP1 stock on the same batch (the layout check)."""
-    notes = [f"open: {defect}" for defect in open_defects(model)]
-    overlay, layout_reference = row.get("overlay"), row.get("layout_reference")
-    if layout_reference is not None and overlay is not None and overlay.error is None:
-        mtp, rest, *_ = overlay.compare(layout_reference)
-        notes.append(f"vs TP1 stock {_delta(mtp)} / {_delta(rest)}")
+    (`OPEN_DEFECTS`) the overlay row carries and, for the aux-loss rows, the layout check: the max
+    |Δgrad| (MTP / rest) against TP1 stock on the same batch of the overlay while a defect is open,
+    else of stock (which misses the reference by the defect its fix cures)."""
+    defects = open_defects(model)
+    notes = [f"open: {defect}" for defect in defects]
+    variant = "overlay" if defects else "stock"
+    outcome, layout_reference = row.get(variant), row.get("layout_reference")
+    if layout_reference is not None and outcome is not None and outcome.error is None:
+        mtp, rest, *_ = outcome.compare(layout_reference)
+        notes.append(f"{variant} vs TP1 stock {_delta(mtp)} / {_delta(rest)}")
     return "; ".join(notes)
 
 
@@ -536,10 +566,16 @@ def notes_markdown(rows):
             "microbatch's routing, so only without it does a per-sequence reference exist."
         )
     if models & set(AUX_LOSS_MODELS):
+        if any(open_defects(model) for model in models):
+            missed = ("Stock and overlay miss it by the open defect; 'vs TP1 stock' is the layout check (every "
+                      "parallelism gives TP1's gradients, the defect included)")
+        else:
+            missed = (f"Stock misses it by {MTP_MOE_ROUTER} (the MTP router's aux loss trained once per depth), the "
+                      "overlay equals it; 'stock vs TP1 stock' is the layout check (stock gives TP1 stock's gradients "
+                      "at every parallelism, the defect included; under CP it also lacks mtp-cp-loss-scale)")
         lines.append(
             f"aux loss: coefficient {AUX_LOSS_COEFF}, BSHD only; reference: TP1 on the same batch with is_mtp_layer "
-            "set by hand on the MTP block's MoE layers (upstream's intent). Stock and overlay miss it by the open "
-            "defect; 'vs TP1 stock' is the layout check (every parallelism gives TP1's gradients, defect included)."
+            f"set by hand on the MTP block's MoE layers (upstream's intent). {missed}."
         )
     for defect in sorted({defect for model in models for defect in open_defects(model)}):
         lines.append(f"open {defect}: {OPEN_DEFECTS[defect]}.")

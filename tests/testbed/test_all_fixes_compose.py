@@ -13,6 +13,9 @@ by the real boundaries, Megatron-LM #4494/#6205), mtp-loss-mask when the mask is
 scatter its embedding under SP (Megatron-LM PR #6256). With all of them on, the MTP block's and the
 rest of the model's gradients equal the reference; with any one it needs missing (stock, each fix
 alone, all but one) the step differs, is refused or crashes, as ``parity.expected_outcome`` predicts.
+The zoo model with the MoE aux loss on (``parity.COMPOSED_MOE``: the Super recipe's MTP ``"*E"`` at 2
+depths, BSHD, the mask passed) needs mtp-moe-router (and mtp-cp-loss-scale under CP) to equal its
+reference, the TP1 step with its MTP block's MoE layers flagged by hand.
 """
 
 import numpy as np
@@ -22,7 +25,10 @@ from mtp_overlay.testing import parity
 from mtp_overlay.testing.packed import expected_mtp
 
 EXACT = 1e-5  # float32 gradients summed in another order: relerr and max |dgrad|
-DIFFERS = 0.05  # the smallest MTP-gradient relerr a missing fix leaves is 0.15
+DIFFERS = 0.05  # the smallest MTP-gradient relerr a missing fix leaves on HybridModel is 0.15
+# on the zoo a missing mtp-moe-router moves only the MTP router's aux-loss gradient (x2) and what it
+# reaches: the smallest MTP-block max |dgrad| it leaves is well above float noise (EXACT)
+MOE_DIFFERS = 10 * EXACT
 CRASH = "RuntimeError: Sizes of tensors must match except in dimension 2"
 REFUSAL = "ValueError: packed_seq_params.cu_seqlens_q "
 EVERYTHING = parity.megatron_core_fixes()
@@ -30,12 +36,12 @@ EVERYTHING = parity.megatron_core_fixes()
 
 @pytest.fixture(scope="module")
 def tp1_pool():
-    """The references (each sequence alone, both losses), the TP1 composition cases, and the padded
-    flavour on stock at TP1 (upstream's own packed rolls are right there)."""
+    """The references (each sequence alone, both losses; the zoo flagged by hand), the TP1 composition
+    cases, and the padded flavour on stock at TP1 (upstream's own packed rolls are right there)."""
     padded = parity.Case("hybrid", "padded", pad_multiple=parity.PARALLELISMS["TP1"]["pad_multiple"])
     outcomes = parity.run_layout("TP1", parity.composition_references() + [padded] + parity.composition_cases("TP1"))
-    count = len(parity.LOSSES)
-    references = {outcome.case.loss: outcome for outcome in outcomes[:count]}
+    count = len(parity.composition_references())
+    references = {parity.composition_reference_key(outcome.case): outcome for outcome in outcomes[:count]}
     return references, outcomes[count], outcomes[count + 1 :]
 
 
@@ -59,7 +65,7 @@ def check_composition(outcomes, references, parallelism):
             assert outcome.error is not None and outcome.error.startswith(CRASH), (name, outcome.error)
             continue
         assert outcome.error is None, (name, outcome.error)
-        reference = references[case.loss]
+        reference = references[parity.composition_reference_key(case)]
         max_mtp, max_rest, mtp, rest = outcome.compare(reference)
         if expected == "exact":
             assert max(mtp, rest, max_mtp, max_rest) <= EXACT, (name, mtp, rest, max_mtp, max_rest)
@@ -67,6 +73,8 @@ def check_composition(outcomes, references, parallelism):
             assert outcome.step.mtp_losses == pytest.approx(reference.step.mtp_losses, rel=EXACT), name
             assert outcome.step.mtp_tokens == reference.step.mtp_tokens, name
             assert outcome.step.zero_grad_params == (), name
+        elif case.model == parity.COMPOSED_MOE:
+            assert max_mtp > MOE_DIFFERS, (name, max_mtp)
         else:
             assert mtp > DIFFERS, (name, mtp)
             # the LM loss itself is exact on every path (attention and RoPE go by the padded boundaries)
@@ -84,22 +92,27 @@ def test_reference_is_each_sequence_alone(tp1_pool):
     references, padded, _ = tp1_pool
     row = parity.packed_row(1)
     weights, _ = expected_mtp(row, labels=False)
-    for reference in references.values():
+    for loss in parity.LOSSES:
+        reference = references["hybrid", loss]
         assert reference.error is None, reference.error
         assert reference.step.mtp_tokens == (float(weights.sum()),) and weights.sum() > 0
         assert reference.step.zero_grad_params == ()
-    assert references["nemo-rl"].compare(references["3-output"])[2:] == pytest.approx((0, 0), abs=1e-6)
-    assert padded.error is None and max(padded.compare(references["3-output"])) <= EXACT
+    nemo_rl, three_output = references["hybrid", "nemo-rl"], references["hybrid", "3-output"]
+    assert nemo_rl.compare(three_output)[2:] == pytest.approx((0, 0), abs=1e-6)
+    assert padded.error is None and max(padded.compare(references["hybrid", "3-output"])) <= EXACT
+    zoo = references[parity.COMPOSED_MOE, "3-output"]
+    assert zoo.error is None and zoo.case.mtp_moe_flag and zoo.step.zero_grad_params == ()
 
 
 def test_tp1_needs_packed_roll_and_the_mask_route(tp1_pool):
     """Without CP the unpadded flavour needs mtp-packed-roll (and mtp-loss-mask for a scoped mask)."""
     references, _, outcomes = tp1_pool
     seen = check_composition(outcomes, references, "TP1")
-    assert seen == {"exact": 9, "differs": 10, "refused": 2}
+    # HybridModel 10 / 11 / 2, the zoo 3 / 2 (stock and all but mtp-moe-router differ)
+    assert seen == {"exact": 13, "differs": 13, "refused": 2}
     cases = by_name(outcomes)
     stock = cases["hybrid explicit 3-output: stock"]
-    assert stock.step.mtp_tokens != references["3-output"].step.mtp_tokens  # shifted spans, padding trained
+    assert stock.step.mtp_tokens != references["hybrid", "3-output"].step.mtp_tokens  # shifted spans, padding trained
 
 
 def test_cp2_all_fixes_compose_and_each_is_needed(references):
@@ -107,26 +120,34 @@ def test_cp2_all_fixes_compose_and_each_is_needed(references):
     every leave-one-out that drops a needed fix differ or are refused (the table in the README)."""
     outcomes = parity.run_layout("CP2", parity.composition_cases("CP2"))
     seen = check_composition(outcomes, references, "CP2")
-    assert seen == {"exact": 7, "differs": 12, "refused": 2}
+    # HybridModel 8 / 13 / 2, the zoo 1 / 4 (it needs mtp-moe-router and mtp-cp-loss-scale)
+    assert seen == {"exact": 9, "differs": 17, "refused": 2}
     cases = by_name(outcomes)
     # mtp-packed-roll with the mask explicit trains the right tokens, yet under CP each rank still
     # normalises by its own counts: only mtp-cp-loss-scale on top makes it exact
     roll_only = cases["hybrid explicit 3-output: mtp-packed-roll"]
-    assert roll_only.step.mtp_tokens == references["3-output"].step.mtp_tokens
-    assert roll_only.compare(references["3-output"])[2] > DIFFERS
+    assert roll_only.step.mtp_tokens == references["hybrid", "3-output"].step.mtp_tokens
+    assert roll_only.compare(references["hybrid", "3-output"])[2] > DIFFERS
     # a scoped mask without the hook is dropped: MTP trains prompt tokens too
     no_hook = cases["hybrid scoped 3-output: all but mtp-loss-mask"]
-    assert no_hook.step.mtp_tokens[0] > references["3-output"].step.mtp_tokens[0]
+    assert no_hook.step.mtp_tokens[0] > references["hybrid", "3-output"].step.mtp_tokens[0]
+    # the zoo's MTP router: mtp-moe-router alone counts its aux loss once, yet under CP its MTP loss
+    # still needs mtp-cp-loss-scale; the two together equal the flagged reference
+    zoo = references[parity.COMPOSED_MOE, "3-output"]
+    alone = cases[f"{parity.COMPOSED_MOE} explicit 3-output: mtp-moe-router"]
+    assert alone.compare(zoo)[0] > MOE_DIFFERS
+    assert max(cases[f"{parity.COMPOSED_MOE} explicit 3-output: all"].compare(zoo)) <= EXACT
 
 
 @pytest.mark.slow
 def test_tp2_cp2_sp_all_fixes_compose_and_each_is_needed(references):
     """TP2xCP2+SP (4 ranks), the scatter=False HybridModel too (Nemotron Omni's setting): stock crashes
-    in the MTP concat until mtp-sp-scatter is on; with all four fixes both models equal each sequence
-    alone, through a self-slicing model as well."""
+    in the MTP concat until mtp-sp-scatter is on; with every fix both models equal each sequence
+    alone, through a self-slicing model as well; the zoo equals its flagged reference."""
     outcomes = parity.run_layout("TP2xCP2+SP", parity.composition_cases("TP2xCP2+SP"))
     seen = check_composition(outcomes, references, "TP2xCP2+SP")
-    assert seen == {"exact": 13, "differs": 15, "crash": 10, "refused": 4}
+    # HybridModel 8 / 13 / - / 2, scatter=False 7 / 3 / 11 / 2, the zoo 1 / 4
+    assert seen == {"exact": 16, "differs": 20, "crash": 11, "refused": 4}
     cases = by_name(outcomes)
     assert np.array_equal(cases["hybrid, scatter=False scoped 3-output: all"].step.grads["mtp"],
                           cases["hybrid scoped 3-output: all"].step.grads["mtp"])

@@ -15,9 +15,9 @@ layout with every case of it batched:
 * its parity rows (``testing.parity``) equal the per-sequence reference with the aux-loss
   coefficient 0 (BSHD and packed THD, both flavours): the overlay always, stock where no fix is
   needed, and stock differs where ``parity.row_needs`` names a fix. With the aux loss on (BSHD only:
-  the load-balancing loss is a function of the whole batch's routing) every layout equals TP1 on
-  the same batch, and both stock and the overlay miss the flagged-by-hand reference by the open
-  MTP-MoE-router defect (``parity.OPEN_DEFECTS``);
+  the load-balancing loss is a function of the whole batch's routing) stock at every layout equals
+  TP1 stock on the same batch and misses the flagged-by-hand reference by the MTP-MoE-router defect
+  (``parity.MTP_MOE_ROUTER``), and the overlay (mtp-moe-router among its fixes) equals it;
 * the alltoall dispatcher's CPU stand-ins (``cpu_shims``) are checked against the allgather
   dispatcher (no stand-in) on the same model and batch, and each is shown needed;
 * the aux-loss measurement the MoE-router fix needs (``testing.moe``): stock's MTP router gradient
@@ -335,8 +335,9 @@ def test_zoo_trains_through_megatrons_step(request, name):
 
 def check_rows(table):
     """Every row, stock and overlay: exact where nothing it needs (`parity.row_needs`) is missing (for
-    the overlay: an open defect, `parity.open_defects`); the open MTP-MoE-router defect alone moves the
-    MTP and the rest's gradients and nothing else (the layout check: TP1 stock on the same batch);
+    the overlay: an open defect, `parity.open_defects`); the MTP-MoE-router defect alone (stock's, or
+    the overlay's while no fix of its id is registered) moves the MTP and the rest's gradients and
+    nothing else (the layout check: TP1 stock on the same batch);
     any missing fix moves the MTP gradient. Returns the number of rows."""
     for (model, layout, parallelism), row in table.items():
         name = (model, layout, parallelism)

@@ -10,7 +10,7 @@ import pytest
 from packaging.version import Version
 from pins import MEGATRON_CORE
 
-from mtp_overlay import registry
+from mtp_overlay import declarations, registry
 from mtp_overlay.contract import distribution_version
 from mtp_overlay.testing.bridge import import_stand_ins
 from mtp_overlay.testing.releases import (
@@ -169,10 +169,10 @@ def support_matrix(monkeypatch, tmp_path):
     return script
 
 
-def measured(version):
-    def measure(distribution, site):
+def measured(version, reason="r"):
+    def measure(distribution, site, names=None):
         return [dict(name=name, distribution="megatron-core", version=version(site), verdict="needed",
-                     reason="r", run="needed: e") for name in ("mtp-sp-scatter", "mtp-loss-mask")]
+                     reason=reason, run="needed: e") for name in names or ("mtp-sp-scatter", "mtp-loss-mask")]
     return measure
 
 
@@ -194,6 +194,21 @@ def test_support_matrix_adds_main_rows_from_a_snapshot_and_keeps_them_without_on
     with pytest.raises(SystemExit, match="--megatron-main: .* is neither a Megatron-LM git directory nor a snapshot"):
         support_matrix.main(["--megatron-main", str(tmp_path)])
 
+
+def test_support_matrix_measures_only_the_fixes_asked_for_and_keeps_the_rest(support_matrix, monkeypatch):
+    monkeypatch.setattr(support_matrix, "measure", measured(lambda s: MEGATRON_CORE))
+    support_matrix.main([])
+    before = support_matrix.SUPPORT.read_text().splitlines()
+    monkeypatch.setattr(support_matrix, "measure", measured(lambda s: MEGATRON_CORE, reason="again"))
+    support_matrix.main(["--only", "mtp-loss-mask"])
+    after = support_matrix.SUPPORT.read_text().splitlines()
+    rows = [line for line in after if line.startswith("| mtp-")]
+    assert [line for line in rows if line.startswith("| mtp-sp-scatter ")] == [
+        line for line in before if line.startswith("| mtp-sp-scatter ")]  # kept byte for byte
+    remeasured = [line for line in rows if line.startswith("| mtp-loss-mask ") and not MAIN_ROW.match(line)]
+    assert remeasured and all(" | again | " in line for line in remeasured)  # its main row kept: no snapshot
+    names = [line.split(" | ")[0][2:] for line in rows]
+    assert names == sorted(names, key=declarations.names().index)  # every fix's rows, in the declarations' order
 
 
 def make_megatron_bridge(root):
@@ -240,7 +255,7 @@ def test_support_matrix_measures_one_distribution_and_keeps_every_other_row(supp
         "megatron-core": ["mtp-sp-scatter", "mtp-loss-mask"], "megatron-bridge": ["bridge-mtp-off"]})
     sites = []
 
-    def measure(distribution, where):
+    def measure(distribution, where, names=None):
         sites.append((distribution, where))
         version = facts["version"] if where == str(site) else "0.6.0"
         return [dict(name="bridge-mtp-off", distribution=distribution, version=version, verdict="needed", reason="r",
