@@ -323,16 +323,16 @@ def test_each_stage_gets_what_it_uses_and_microbatches_cross_each_way_once(pp2):
 
 def test_a_stage_whose_forward_raises_raises_on_every_stage_and_the_pool_runs_on(pp1, pp2):
     """A stage's forward error, raised on every stage once stand-in outputs carried the schedule
-    through: mtp-loss-mask refusing the unpadded flavour without mtp-packed-roll on the last stage (the
-    one that gets the scoped MTP mask); an out-of-range token on the first stage (whose stand-in
-    activations the last stage computes on). The cases after them equal PP1
-    (test_pp2_step_equals_the_pp1_step_on_every_stage)."""
+    through: mtp-loss-mask refusing the unpadded flavour without mtp-packed-roll (its boundary guard
+    needs no mask, so the first stage refuses first and the last stage gets its error); an
+    out-of-range token on the first stage (whose stand-in activations the last stage computes on).
+    The cases after them equal PP1 (test_pp2_step_equals_the_pp1_step_on_every_stage)."""
     first, last = pp2
     refusal = pp1["hybrid thd unpadded rl refused"]["outcome"]
     assert refusal.startswith("ValueError: packed_seq_params.cu_seqlens_q") and "enable mtp-packed-roll" in refusal
-    assert last["hybrid thd unpadded rl refused"]["outcome"] == refusal  # its own error, no note
-    assert first["hybrid thd unpadded rl refused"]["outcome"] == refusal.replace(
-        " []", " ['(raised on pipeline stage 1)']"
+    assert first["hybrid thd unpadded rl refused"]["outcome"] == refusal  # its own error, no note
+    assert last["hybrid thd unpadded rl refused"]["outcome"] == refusal.replace(
+        " []", " ['(raised on pipeline stage 0)']"
     )
     bad_token = pp1["hybrid bshd bad token"]["outcome"]
     assert bad_token == "IndexError: index out of range in self []"

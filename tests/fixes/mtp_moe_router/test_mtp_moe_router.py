@@ -20,7 +20,7 @@ run per layout):
 ``"*E*E/*E"`` (one depth; backbone MoE at layers 2 and 4) runs with the overlay where the flag alone
 crashes: on a copy of megatron-core edited the way PR #6748 edits ``HybridStack``, stock raises
 ``IndexError`` at ``moe_logging.py:125`` and the overlay trains exactly as it does on the pinned
-release. Router replay (0.19.2 ``router_replay.py:26-112``) lists the routers in creation order, the
+release. Router replay (the pin's ``router_replay.py:26-112``) lists the routers in creation order, the
 MTP router last; its ``layer_number`` (2) is backbone layer 2's with or without the fix.
 """
 
@@ -205,7 +205,7 @@ def test_two_backbone_moe_layers_and_one_depth_run_with_the_overlay(tp1):
 
 
 def test_router_replay_keeps_creation_order_and_layer_numbers(tp1):
-    """0.19.2's RouterReplay lists routers in creation order (the MTP block after the decoder): the MTP
+    """The pinned release's RouterReplay lists routers in creation order (the MTP block after the decoder): the MTP
     router is last; its layer_number is its place in the MTP pattern, the same as backbone layer 2's,
     with and without the fix. The fix adds what tells it apart: is_mtp_layer and mtp_depth."""
     stock, fixed = tp1["replay_stock"]["replay"], tp1["replay"]["replay"]
