@@ -29,7 +29,6 @@ rank: other processes' load stays out of it more than out of wall time).
 
 import argparse
 import statistics
-import sys
 
 from mtp_overlay.testing.launcher import run_ranks_checked
 
@@ -76,24 +75,6 @@ def interleaved_steps(repeats, checks=None):
     return {side: statistics.median(values) for side, values in times.items()}, reads
 
 
-class _Calls:
-    """Counts the calls of the functions defined under ``folder`` while active (``sys.setprofile``)."""
-
-    def __init__(self, folder):
-        self.folder, self.calls = folder, {}
-
-    def __enter__(self):
-        sys.setprofile(self._profile)
-        return self
-
-    def __exit__(self, *exc):
-        sys.setprofile(None)
-
-    def _profile(self, frame, event, arg):
-        if event == "call" and frame.f_code.co_filename.startswith(self.folder):
-            self.calls[frame.f_code.co_name] = self.calls.get(frame.f_code.co_name, 0) + 1
-
-
 def _own_seconds(profile, folder):
     """{function name: own seconds} of the functions defined under ``folder`` in a cProfile."""
     import pstats
@@ -114,7 +95,7 @@ def interleaved_moe_steps(repeats):
 
     import mtp_overlay
     from mtp_overlay.fixes import mtp_moe_router
-    from mtp_overlay.testing import parity
+    from mtp_overlay.testing import moe, parity
     from mtp_overlay.testing.megatron_step import MegatronStep
 
     sp = parallel_state.get_tensor_model_parallel_world_size() > 1
@@ -122,7 +103,7 @@ def interleaved_moe_steps(repeats):
     mtp_overlay.uninstall()
     stock = MegatronStep(parity.build(MOE_MODEL, sequence_parallel=sp), optimizer=None)
     mtp_overlay.install()
-    with _Calls(folder) as build:
+    with moe.FunctionCalls(folder) as build:
         built = parity.build(MOE_MODEL, sequence_parallel=sp)
     overlay = MegatronStep(built, optimizer=None)
     batch = [parity.microbatch(parity.Case(MOE_MODEL, "bshd"))]
@@ -142,7 +123,7 @@ def interleaved_moe_steps(repeats):
                 times[side].append(time.perf_counter() - start)
                 cpu[side].append(time.process_time() - start_cpu)
     mtp_overlay.install()
-    with _Calls(folder) as steps:
+    with moe.FunctionCalls(folder) as steps:
         for _ in range(PROFILED_STEPS):
             overlay.step(batch, labels=False, update=False)
     profile = cProfile.Profile()

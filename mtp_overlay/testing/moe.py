@@ -17,6 +17,8 @@ passes it on main):
   (the aux loss's alone) and the per-layer logged aux losses.
 * `logged_moe_metrics`: megatron-core's per-layer MoE logging slots (``moe_logging``'s tracker,
   reduced the way its ``report`` reduces them), read and cleared.
+* `FunctionCalls`: which functions of a folder ran in a block, and how often (a hook that acts at
+  build time and in logging only shows up per build and per logging call, nothing per token).
 
 The MTP router's aux-loss gradient alone is linear in the aux loss's scale at each application and
 no backbone aux loss reaches it (the MTP block runs after the backbone), so stock's MTP router
@@ -25,6 +27,7 @@ MTP aux loss's gradient through the hidden states, so they differ too, by no fix
 """
 
 import dataclasses
+import sys
 
 from .megatron_step import _language_model
 
@@ -152,3 +155,22 @@ def aux_loss_gradients(step, microbatches, **step_kwargs):
         slots=result.moe_metrics,
         step=result,
     )
+
+
+class FunctionCalls:
+    """``{function name: calls}`` of the functions defined under ``folder`` while the block runs
+    (``sys.setprofile``: this thread only)."""
+
+    def __init__(self, folder):
+        self.folder, self.calls = str(folder), {}
+
+    def __enter__(self):
+        sys.setprofile(self._profile)
+        return self
+
+    def __exit__(self, *exc):
+        sys.setprofile(None)
+
+    def _profile(self, frame, event, arg):
+        if event == "call" and frame.f_code.co_filename.startswith(self.folder):
+            self.calls[frame.f_code.co_name] = self.calls.get(frame.f_code.co_name, 0) + 1

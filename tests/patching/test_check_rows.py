@@ -38,6 +38,7 @@ def status_then_check(site, env=None):
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_check_rows_carry_the_state_and_the_patch_on_disk_that_status_reports(tmp_path, capsys):
     site = site_copy(MEGATRON_CORE, tmp_path)
     seen = {}

@@ -140,6 +140,7 @@ def test_a_reader_that_leaves_early_gets_no_traceback():
     assert b"Traceback" not in err and b"BrokenPipeError" not in err, err.decode()
 
 
+@pytest.mark.slow
 def test_an_edit_inside_one_hunk_of_a_seven_file_patch_names_that_file_and_the_rest_as_patched(tmp_path, capsys):
     """vllm-chat-template's patch (7 files) applied to a private vLLM, then one line inside one applied
     hunk edited: check, revert and apply each name that file as edited (with the patched sha256 it

@@ -93,6 +93,7 @@ def test_tp1_trains_lm_and_mtp(tp1):
         assert all(norm > 0 for norm in result.group_grad_norms.values()), result.group_grad_norms
 
 
+@pytest.mark.slow
 def test_tp2_sequence_parallel_matches_tp1(tp1):
     results = run_ranks_checked(train, 2, tp=2, kwargs=dict(sequence_parallel=True))
     assert_ranks_agree(results)
@@ -100,6 +101,7 @@ def test_tp2_sequence_parallel_matches_tp1(tp1):
         assert_same_step(results[0][step], tp1[step])
 
 
+@pytest.mark.slow
 def test_cp2_matches_tp1(tp1, cp2):
     # every step, gradients included: the overlay's mtp-cp-loss-scale normalises the MTP loss by the
     # whole sequence's token counts (stock megatron-core uses each CP rank's own: rank 0 holds the
@@ -354,6 +356,7 @@ def test_main_inference_linear_shim_applies_only_where_upstream_has_the_check(tm
     ]
 
 
+@pytest.mark.slow
 def test_plugin_is_opt_in_then_skips_gpu_tests_and_serves_the_launcher(tmp_path):
     """An environment with mtp-overlay installed leaves a user's own pytest run unpatched, unless asked."""
     import torch

@@ -80,6 +80,7 @@ def tracking_tests(site, cwd, fix):
     return run_with_release(site, f"import sys, pytest; sys.exit(pytest.main({arguments!r}))", cwd=cwd, timeout=900)
 
 
+@pytest.mark.slow
 def test_tracking_test_names_the_absorbed_fix_and_what_to_do(fixed_upstream, tmp_path):
     result = tracking_tests(fixed_upstream, tmp_path, "mtp-sp-scatter")
     assert result.returncode == 1, result.stdout[-3000:]
@@ -87,6 +88,7 @@ def test_tracking_test_names_the_absorbed_fix_and_what_to_do(fixed_upstream, tmp
     assert "Applied-Upstream" in result.stdout and "first_fixed_release" in result.stdout
 
 
+@pytest.mark.slow
 def test_tracking_test_says_when_the_test_bed_cannot_run_the_stock_path(tmp_path):
     """Megatron-LM main (d98e8a64) without Transformer Engine: building an MTP layer runs an isinstance
     against a MagicMock (`cpu_shims._is_inference_column_parallel_linear`). The same failure, put into
@@ -111,14 +113,15 @@ def test_tracking_test_says_when_the_test_bed_cannot_run_the_stock_path(tmp_path
         assert noise not in report, f"{noise!r} in the report:\n{report}"
 
 
-def make_megatron_lm(root):
-    """A git repository shaped like Megatron-LM: megatron/core with a package_info.py, one commit."""
-    core = root / "megatron" / "core"
-    core.mkdir(parents=True)
-    (core / "__init__.py").write_text("from .package_info import __version__\n")
-    (core / "package_info.py").write_text("MAJOR = 0\nMINOR = 99\nPATCH = 0\nPRE_RELEASE = 'rc0'\n"
-                                          "__version__ = '0.99.0rc0'\n")
-    (root / "README.md").write_text("not part of megatron/core\n")
+def make_source_repository(root, package, minor, pre_release=""):
+    """A one-commit git repository holding ``package`` (a folder path under ``root``) with a
+    package_info.py of version 0.<minor>.0<pre_release>, and a README outside it."""
+    folder = root / package
+    folder.mkdir(parents=True)
+    (folder / "__init__.py").write_text("from .package_info import __version__\n")
+    (folder / "package_info.py").write_text(f"MAJOR = 0\nMINOR = {minor}\nPATCH = 0\nPRE_RELEASE = '{pre_release}'\n"
+                                            f"__version__ = '0.{minor}.0{pre_release}'\n")
+    (root / "README.md").write_text("not part of the package\n")
 
     def git(*args):
         return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=root,
@@ -128,6 +131,11 @@ def make_megatron_lm(root):
     git("add", ".")
     git("commit", "-q", "-m", "snapshot")
     return root / ".git", git("rev-parse", "HEAD")
+
+
+def make_megatron_lm(root):
+    """A git repository shaped like Megatron-LM: megatron/core at 0.99.0rc0."""
+    return make_source_repository(root, "megatron/core", 99, "rc0")
 
 
 def test_megatron_main_snapshot_imports_with_a_version_no_release_can_have(tmp_path):
@@ -212,22 +220,8 @@ def test_support_matrix_measures_only_the_fixes_asked_for_and_keeps_the_rest(sup
 
 
 def make_megatron_bridge(root):
-    """A git repository shaped like Megatron-Bridge: src/megatron/bridge with a package_info.py."""
-    bridge = root / "src" / "megatron" / "bridge"
-    bridge.mkdir(parents=True)
-    (bridge / "__init__.py").write_text("from .package_info import __version__\n")
-    (bridge / "package_info.py").write_text("MAJOR = 0\nMINOR = 98\nPATCH = 0\nPRE_RELEASE = ''\n"
-                                            "__version__ = '0.98.0'\n")
-    (root / "README.md").write_text("not part of the package\n")
-
-    def git(*args):
-        return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=root,
-                              check=True, capture_output=True, text=True).stdout.strip()
-
-    git("init", "-q")
-    git("add", ".")
-    git("commit", "-q", "-m", "snapshot")
-    return root / ".git", git("rev-parse", "HEAD")
+    """A git repository shaped like Megatron-Bridge: src/megatron/bridge at 0.98.0."""
+    return make_source_repository(root, "src/megatron/bridge", 98)
 
 
 def test_bridge_main_snapshot_imports_as_megatron_bridge_with_a_local_version(tmp_path):

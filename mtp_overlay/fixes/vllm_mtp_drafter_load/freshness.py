@@ -82,12 +82,12 @@ def drafter_of(runner):
 
 def _paired(target, drafter):
     """The Freshness of ``drafter`` (made when it has none), now known to draft for ``target``."""
-    drafters, targets = table("drafters"), table("targets")
+    drafters, target_models = table("drafters"), table("targets")
     record = drafters.get(drafter)
     if record is None:
         record = drafters[drafter] = Freshness(drafter)
     record.target = type(target).__name__
-    targets[target] = record
+    target_models[target] = record
     return record
 
 

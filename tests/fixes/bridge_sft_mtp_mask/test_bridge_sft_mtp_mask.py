@@ -62,19 +62,25 @@ def error_of(call):
 
 
 def checked_masks():
-    """Record what mtp-loss-mask's layout check (`mtp.check_loss_mask_layout`) is handed: per call,
+    """Record what mtp-loss-mask's layout check is handed (`mtp.assert_loss_mask_layout` on the device
+    by default, `mtp.check_loss_mask_layout` on the host with MTP_OVERLAY_CHECKS=full): per call,
     whether the mask it checks is the SFT batch's label-aligned one. Returns (records, undo)."""
     from mtp_overlay import mtp
 
-    checker, records = mtp.check_loss_mask_layout, []
+    names, records = ("check_loss_mask_layout", "assert_loss_mask_layout"), []
+    checkers = {name: getattr(mtp, name) for name in names}
     batch_mask = bridge_step.sft_batch()["loss_mask"].tolist()
 
-    def recording(input_ids, loss_mask, *args, **kwargs):
-        records.append(loss_mask.tolist() == batch_mask and tuple(input_ids.shape) == tuple(loss_mask.shape))
-        return checker(input_ids, loss_mask, *args, **kwargs)
+    def recording(checker):
+        def record(input_ids, loss_mask, *args, **kwargs):
+            records.append(loss_mask.tolist() == batch_mask and tuple(input_ids.shape) == tuple(loss_mask.shape))
+            return checker(input_ids, loss_mask, *args, **kwargs)
 
-    mtp.check_loss_mask_layout = recording
-    return records, lambda: setattr(mtp, "check_loss_mask_layout", checker)
+        return record
+
+    for name, checker in checkers.items():
+        setattr(mtp, name, recording(checker))
+    return records, lambda: [setattr(mtp, name, checker) for name, checker in checkers.items()]
 
 
 def edited_copy(module, edits, name):

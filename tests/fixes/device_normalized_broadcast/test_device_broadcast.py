@@ -522,6 +522,7 @@ print(json.dumps({"state": row.state, "late": row.late, "wrapped": wrapped, "res
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("order", ["overlay-first", "vllm-first"])
 def test_every_binding_is_wrapped_once_and_restored_whatever_the_import_order(order):
     """Overlay first: the engine's ``from packed_tensor import`` binds an already hooked producer;
@@ -600,6 +601,7 @@ def vllm_0_25_1():
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_vllm_0_25_1_one_by_one_path_sends_a_host_tensor_and_the_fix_cures_it(vllm_0_25_1):
     """Real 0.25.1 ``trainer_send_weights(packed=False)``: stock hands the communicator a host tensor
     (PyNcclCommunicator refuses it); fixed, every tensor it is handed is on its device, same shape and

@@ -198,6 +198,7 @@ def test_fix_lets_the_actor_read_the_config(cluster, model_dir, tmp_path):
     assert replaced["on_sys_path"] == 1
 
 
+@pytest.mark.slow
 def test_folder_created_only_after_ray_init(cluster, model_dir, tmp_path):
     stock = run_driver(cluster, model_dir, tmp_path / "stock", load="after",
                        HF_MODULES_CACHE=str(tmp_path / "stock" / "late" / "modules"),
@@ -212,6 +213,7 @@ def test_folder_created_only_after_ray_init(cluster, model_dir, tmp_path):
     assert fixed["task_worker"] == fixed["warm_worker"] and fixed["task_marker"] == 42
 
 
+@pytest.mark.slow
 def test_only_the_three_keys_travel_and_user_hook_and_job_env_are_kept(cluster, model_dir, tmp_path):
     # a `ray job submit` entrypoint: the job's runtime_env already sets HF_HOME; ray.init would refuse
     # to merge a driver runtime_env setting it again, so the job's value must stay and win
@@ -264,6 +266,7 @@ SETTINGS = {
 }
 
 
+@pytest.mark.slow
 def test_resolution_equals_installed_transformers(tmp_path):
     home, cwd = tmp_path / "home", tmp_path / "cwd"
     home.mkdir()
@@ -495,6 +498,7 @@ def test_job_config_runtime_env_is_the_base_when_no_runtime_env_is_given():
 # --- the hook on ray and the probe -------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_hook_on_top_level_ray_wraps_init_lazily_and_probe_is_static(tmp_path):
     script = """
 import sys, mtp_overlay

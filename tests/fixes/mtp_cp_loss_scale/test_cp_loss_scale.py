@@ -178,6 +178,7 @@ open(%r, "wb").write(pickle.dumps(results))
 """
 
 
+@pytest.mark.slow
 def test_source_patch_gives_the_hooks_gradients(cp2, tmp_path):
     """The DEP-3 patch (Megatron-LM PR #7498's logic in process_mtp_loss) applied to a copy of the
     installed megatron-core, fix off: every mode and mask gives what the hook gives on stock."""

@@ -4,7 +4,6 @@ A module of its own (not a test module) so that a script run with another megatr
 path imports the same workers (``sys.path`` gets this folder) and ranks unpickle them by this name.
 """
 
-import sys
 from pathlib import Path
 
 from mtp_overlay.testing import parity
@@ -14,24 +13,6 @@ FIX_DIR = str(Path(__file__).resolve().parents[3] / "mtp_overlay" / "fixes" / "m
 TWO_BACKBONE = "*E*E/*E"  # Megatron-LM #7172's pattern: backbone MoE at layers 2 and 4, one MTP depth
 # stock (built and stepped without the overlay), flagged by hand (the reference), the overlay
 VARIANTS = {"stock": ((), False), "flagged": ((), True), "overlay": ((FIX,), False)}
-
-
-class FixCalls:
-    """Counts the calls of functions defined in the fix's folder while it is active (sys.setprofile)."""
-
-    def __init__(self):
-        self.calls = {}
-
-    def __enter__(self):
-        sys.setprofile(self._profile)
-        return self
-
-    def __exit__(self, *exc):
-        sys.setprofile(None)
-
-    def _profile(self, frame, event, arg):
-        if event == "call" and frame.f_code.co_filename.startswith(FIX_DIR):
-            self.calls[frame.f_code.co_name] = self.calls.get(frame.f_code.co_name, 0) + 1
 
 
 def aux_step(model, sp):
@@ -46,10 +27,10 @@ def aux_step(model, sp):
     for variant, (fixes, flag) in VARIANTS.items():
         mtp_overlay.uninstall()
         mtp_overlay.install(only=list(fixes))
-        with FixCalls() as build:
+        with moe.FunctionCalls(FIX_DIR) as build:
             built = parity.build(model, sequence_parallel=sp, mtp_moe_flag=flag)
         step = MegatronStep(built, optimizer=None)
-        with FixCalls() as stepped:
+        with moe.FunctionCalls(FIX_DIR) as stepped:
             measured = moe.aux_loss_gradients(step, [parity.microbatch(parity.Case(model, "bshd"))], labels=False)
         language_model = step.language_model
         layers = []

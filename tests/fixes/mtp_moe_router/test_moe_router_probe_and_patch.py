@@ -203,9 +203,8 @@ def test_a_router_logging_by_depth_gets_only_the_build_hook(tmp_path):
     assert row["state"] == "installed" and row["wrapped"] == [["MultiTokenPredictionLayer", "__init__"]]
 
 
-@pytest.mark.parametrize(("version", "family"), [pytest.param("0.17.1", "0.17", marks=pytest.mark.slow),
-                                                 pytest.param("0.18.2", "0.18", marks=pytest.mark.slow),
-                                                 (MEGATRON_CORE, "0.19")])
+@pytest.mark.slow
+@pytest.mark.parametrize(("version", "family"), [("0.17.1", "0.17"), ("0.18.2", "0.18"), (MEGATRON_CORE, "0.19")])
 def test_patched_release_stands_the_hook_down_and_its_stock_path_is_right(version, family, tmp_path):
     """The DEP-3 patch on disk: redundant, nothing wrapped, patched; the release's own MTP block, run
     stock (the reproducer), builds the router flagged, trains its aux loss once and logs it in the

@@ -186,6 +186,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.slow
 def test_patched_release_rolls_like_the_hook_with_the_hook_standing_down(tmp_path):
     site = site_of(MEGATRON_CORE, tmp_path)
     apply_patch(site, PATCHES / "0.17-0.19.patch")

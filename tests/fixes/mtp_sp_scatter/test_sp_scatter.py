@@ -45,6 +45,7 @@ def test_tp2_sp_crashes_without_the_fix_and_matches_tp1_with_it(tp1):
     assert fixed[0].zero_grad_params == ()  # MTP parameters are trained
 
 
+@pytest.mark.slow
 def test_tp2_cp2_sp_crashes_without_the_fix_and_matches_tp1_with_it(tp1):
     stock = run_ranks(train, 4, tp=2, cp=2, kwargs=NOT_SCATTERING, fixes=[])
     assert any(r.error and "Sizes of tensors must match" in r.error for r in stock), stock
@@ -106,6 +107,7 @@ def mtp_embeddings(decoder_input_index):
     return __version__, tuple(stock.shape), tuple(hooked.shape), torch.equal(hooked, stock[rank * chunk : (rank + 1) * chunk])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("version", "decoder_input_index"), [("0.16.1", 2), ("0.18.2", 3)])
 def test_hook_scatters_on_older_releases(version, decoder_input_index, monkeypatch):
     """0.16/0.18 GPTModel do not scatter a non-scattering embedding themselves (multimodal wrappers
@@ -129,6 +131,7 @@ ALIAS_SPELLING = (
 )
 
 
+@pytest.mark.slow
 def test_upstream_fix_in_another_spelling_is_never_applied_twice_and_check_run_says_they_disagree(
     tp1, tmp_path, monkeypatch
 ):

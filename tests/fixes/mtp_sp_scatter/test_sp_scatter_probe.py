@@ -51,6 +51,7 @@ def test_stock_release_needs_the_fix_and_gets_the_hook(version, variant, tmp_pat
     assert row["wrapped"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("version", "patch"), [("0.16.1", "0.16"), ("0.18.2", "0.18"), (MEGATRON_CORE, "0.19")])
 def test_release_carrying_the_fix_is_redundant_and_left_unwrapped(version, patch, tmp_path):
     site = site_of(version, tmp_path)

@@ -125,6 +125,7 @@ def test_probe_drifted_when_a_constructor_changes_shape(name, old, new, reason):
 
 
 # --- the reproducer --------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_reproducer_shows_the_bug_on_stock_vllm():
     shows, evidence = reproduce(NAME)
     assert shows, evidence

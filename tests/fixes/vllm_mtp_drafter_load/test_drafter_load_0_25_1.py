@@ -12,6 +12,8 @@ import pytest
 
 from mtp_overlay.testing.releases import release_site, run_with_release
 
+pytestmark = pytest.mark.slow  # another vLLM release, installed side by side (~10 s to start it)
+
 SCRIPT = """
 import json, warnings
 warnings.simplefilter("ignore")

@@ -218,6 +218,7 @@ def patched_vllm(patched_site):
     return version, site, run_patched(site, PATCHED)
 
 
+@pytest.mark.slow
 def test_patched_vllm_reports_a_stale_drafter_by_itself_and_the_hooks_stand_down(patched_vllm):
     version, site, out = patched_vllm
     assert (out["version"], out["where"]) == (version, str(site / "vllm"))
@@ -258,6 +259,7 @@ def test_patched_vllm_reports_a_drafter_a_target_refit_left_behind(patched_site)
     assert "is 1 target refit behind" in text and "GPUModelRunner.reload_weights" in text and active is False
 
 
+@pytest.mark.slow
 def test_patched_vllm_sends_every_refit_tensor_from_the_communicator_device(patched_vllm):
     _, _, out = patched_vllm
     assert out["packed"] == ["meta"]
