@@ -10,6 +10,8 @@ import json
 import os
 import sys
 
+import pytest
+
 from pins import MEGATRON_CORE
 from test_patching import patch, site_copy
 
