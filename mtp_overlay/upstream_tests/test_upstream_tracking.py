@@ -16,7 +16,8 @@ from mtp_overlay.testing.bridge import import_stand_ins
 from mtp_overlay.testing.reproducers import stock_run
 
 
-HEAVY_DISTRIBUTIONS = ("megatron-bridge",)  # its stock runs import Bridge (~20-45 s a process): slow
+# slow: their stock runs import Bridge (~20-45 s a process), start a Ray cluster, or build vLLM's drafter
+HEAVY_DISTRIBUTIONS = ("megatron-bridge", "ray", "vllm")
 
 
 @pytest.mark.parametrize("name", [

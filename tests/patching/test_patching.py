@@ -333,6 +333,7 @@ def only(fixes):
     return [option for fix in fixes for option in ("--only", fix.name)]
 
 
+@pytest.mark.slow
 def test_fault_at_every_file_boundary_leaves_the_tree_byte_identical(site_0_19, test_fixes, capsys, monkeypatch):
     site = site_0_19
     manifest, fixes = test_fixes({"two-files": (MODULE, SECOND)})

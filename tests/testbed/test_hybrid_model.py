@@ -25,6 +25,7 @@ def test_hybrid_holds_the_tiny_gpts_parameters_in_order(tp1):
     assert "mtp.layers.0.mtp_model_layer.layers.1.mlp.linear_fc1.weight" in names  # MTP depth = HybridStack "*-"
 
 
+@pytest.mark.slow  # the zoo's and the parity table's HybridModel rows train these layouts through Megatron's step
 @pytest.mark.parametrize("layout", layout_params("tp1", "cp2", "tp2_sp", "tp2_cp2_sp"))
 def test_hybrid_trains_exactly_like_the_tiny_gpt(request, tp1, layout):
     """Same losses, MTP token counts and gradients as the GPT in the same layout (tiny_gpt.train_step),

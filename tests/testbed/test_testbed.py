@@ -335,6 +335,7 @@ print("restored:", mtp.is_inference_column_parallel_linear is original)
 """
 
 
+@pytest.mark.slow
 def test_main_inference_linear_shim_applies_only_where_upstream_has_the_check(tmp_path):
     """Megatron-LM main asks every MTP layer ``is_inference_column_parallel_linear``, whose isinstance
     fails without Transformer Engine. The pinned release has no such check (the shim is skipped); a

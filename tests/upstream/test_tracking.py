@@ -59,6 +59,7 @@ def overlay(site, *args):
     return run_with_release(site, f"import sys; from mtp_overlay.cli import main; sys.exit(main({list(args)!r}))")
 
 
+@pytest.mark.slow
 def test_check_fails_on_redundancy_only_when_asked(fixed_upstream):
     relaxed = overlay(fixed_upstream, "check", "--only", "mtp-sp-scatter")
     assert relaxed.returncode == 0 and "redundant" in relaxed.stdout

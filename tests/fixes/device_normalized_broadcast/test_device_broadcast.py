@@ -616,6 +616,7 @@ def test_vllm_0_25_1_one_by_one_path_sends_a_host_tensor_and_the_fix_cures_it(vl
     assert row["caller_args_kept"] == [True, True]
 
 
+@pytest.mark.slow
 def test_vllm_0_25_1_probe_needs_the_fix_and_its_staticmethod_is_restored_by_identity(vllm_0_25_1):
     row = vllm_0_25_1
     assert (row["version"], row["state"], row["verdict"]) == ("0.25.1", "installed", "needed")

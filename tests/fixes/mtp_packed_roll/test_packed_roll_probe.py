@@ -134,6 +134,7 @@ def test_renamed_roll_is_drift_and_import_survives(tmp_path):
     assert row["wrapped"] == []
 
 
+@pytest.mark.slow
 def test_unknown_signature_is_drift_naming_the_parameters(tmp_path):
     site = site_of(MEGATRON_CORE, tmp_path)
     edit_source(site, ("def _roll_tensor_packed_seq(tensor, shifts, dims, packed_seq_params, cp_group=None):",

@@ -42,7 +42,10 @@ def apply_patch(site, patch):
 
 
 @pytest.mark.parametrize(
-    ("version", "variant"), [("0.16.1", "0.16-0.17"), ("0.18.2", "0.18-0.19"), (MEGATRON_CORE, "0.18-0.19")]
+    ("version", "variant"),
+    [pytest.param("0.16.1", "0.16-0.17", marks=pytest.mark.slow),
+     pytest.param("0.18.2", "0.18-0.19", marks=pytest.mark.slow),
+     (MEGATRON_CORE, "0.18-0.19")],  # other releases than the pin: the full suite
 )
 def test_stock_release_needs_the_fix_and_gets_the_hook(version, variant, tmp_path):
     row = report(site_of(version, tmp_path))
