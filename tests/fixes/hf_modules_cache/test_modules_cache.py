@@ -171,6 +171,7 @@ MISSING = "No module named 'transformers_modules'"
 # --- the bug and its cure on a real cluster -------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_stock_ray_fails_to_unpickle_a_remote_code_config(cluster, model_dir, tmp_path):
     """Behavioural probe: if stock Ray + transformers ever ship the class, the fix is redundant."""
     result = run_driver(cluster, model_dir, tmp_path, MTP_OVERLAY_DISABLE="hf-modules-cache")
@@ -183,6 +184,7 @@ def test_stock_ray_fails_to_unpickle_a_remote_code_config(cluster, model_dir, tm
     assert result["status"]["hf-modules-cache"] == State.DISABLED
 
 
+@pytest.mark.slow
 def test_fix_lets_the_actor_read_the_config(cluster, model_dir, tmp_path):
     folder = str(tmp_path / "modules")
     result = run_driver(cluster, model_dir, tmp_path, variant="actor-pythonpath")

@@ -34,6 +34,9 @@ from mtp_overlay.fixes.mtp_moe_router.reading import MTP_FILE, ROUTER_FILE, STAC
 from mtp_overlay.testing.launcher import run_ranks_checked
 from mtp_overlay.testing.releases import installed_site, release_copy, release_site, run_json, run_with_release
 
+# fresh interpreters on release copies: the full suite (the pin's probe: the contract and support-matrix tests)
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parents[3]
 PATCHES = REPO / "patches" / FIX / "megatron-core"
 HYBRID_BLOCK = "megatron/core/models/hybrid/hybrid_block.py"
@@ -203,7 +206,6 @@ def test_a_router_logging_by_depth_gets_only_the_build_hook(tmp_path):
     assert row["state"] == "installed" and row["wrapped"] == [["MultiTokenPredictionLayer", "__init__"]]
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(("version", "family"), [("0.17.1", "0.17"), ("0.18.2", "0.18"), (MEGATRON_CORE, "0.19")])
 def test_patched_release_stands_the_hook_down_and_its_stock_path_is_right(version, family, tmp_path):
     """The DEP-3 patch on disk: redundant, nothing wrapped, patched; the release's own MTP block, run
@@ -233,7 +235,6 @@ if __name__ == "__main__":
 """
 
 
-@pytest.mark.slow
 def test_patched_release_trains_like_the_hook(tmp_path):
     """``"*E*E/*E"`` through Megatron's step on the patched pinned release (the hook standing down)
     gives the gradients and slots the hook gives on the stock pinned release."""
@@ -253,7 +254,6 @@ def test_patched_release_trains_like_the_hook(tmp_path):
         assert np.array_equal(np.asarray(patched["mtp"][name], dtype=grad.dtype), grad), name
 
 
-@pytest.mark.slow
 def test_drift_warns_and_strict_mode_raises_naming_the_fix(tmp_path):
     site = copy_of(MEGATRON_CORE, tmp_path)
     edit(site, HYBRID_BLOCK, ("submodules.moe_layer,", "submodules.moe_block,"))

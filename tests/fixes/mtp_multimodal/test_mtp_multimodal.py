@@ -666,6 +666,7 @@ def test_where_mtp_loss_mask_drifted_a_multimodal_mtp_forward_refuses_naming_it(
     assert "is drifted" in row["check"]
 
 
+@pytest.mark.slow
 def test_megatron_core_0_18_is_drift_its_mtp_cannot_roll_llavas_position_ids(tmp_path):
     """0.18.2 has 0.19's LLaVAModel, but its MTP ``roll_tensor`` refuses the ``position_ids=None``
     LLaVAModel passes (the stock crash there is in that roll): ids alone would not make MTP run."""
@@ -677,6 +678,7 @@ def test_megatron_core_0_18_is_drift_its_mtp_cannot_roll_llavas_position_ids(tmp
 LANGUAGE_MODEL_CALL = "        output = self.language_model(\n            input_ids=None,\n"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("edits", "reason"),
     [

@@ -18,6 +18,9 @@ from pins import MEGATRON_CORE
 
 from mtp_overlay.testing.releases import release_copy, run_json, run_with_release
 
+# fresh interpreters on release copies: the full suite (the pin's probe: the contract and support-matrix tests)
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parents[3]
 PATCHES = REPO / "patches" / "mtp-packed-roll" / "megatron-core"
 MODULE = "megatron/core/transformer/multi_token_prediction.py"
@@ -62,7 +65,7 @@ def edit_source(site, *replacements):
     path.write_text(source)
 
 
-@pytest.mark.parametrize("version", [pytest.param("0.16.1", marks=pytest.mark.slow), MEGATRON_CORE])
+@pytest.mark.parametrize("version", ["0.16.1", MEGATRON_CORE])
 def test_stock_release_needs_the_fix_and_gets_both_wrappers(version, tmp_path):
     row = report(site_of(version, tmp_path))
     assert row["version"] == version and row["state"] == "installed"
@@ -71,7 +74,7 @@ def test_stock_release_needs_the_fix_and_gets_both_wrappers(version, tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("version", "patch"), [pytest.param("0.16.1", "0.16", marks=pytest.mark.slow), (MEGATRON_CORE, "0.17-0.19")]
+    ("version", "patch"), [("0.16.1", "0.16"), (MEGATRON_CORE, "0.17-0.19")]
 )
 def test_release_patched_on_disk_is_redundant_and_left_unwrapped(version, patch, tmp_path):
     site = site_of(version, tmp_path)
@@ -134,7 +137,6 @@ def test_renamed_roll_is_drift_and_import_survives(tmp_path):
     assert row["wrapped"] == []
 
 
-@pytest.mark.slow
 def test_unknown_signature_is_drift_naming_the_parameters(tmp_path):
     site = site_of(MEGATRON_CORE, tmp_path)
     edit_source(site, ("def _roll_tensor_packed_seq(tensor, shifts, dims, packed_seq_params, cp_group=None):",
@@ -187,7 +189,6 @@ if __name__ == "__main__":
 """
 
 
-@pytest.mark.slow
 def test_patched_release_rolls_like_the_hook_with_the_hook_standing_down(tmp_path):
     site = site_of(MEGATRON_CORE, tmp_path)
     apply_patch(site, PATCHES / "0.17-0.19.patch")

@@ -14,6 +14,9 @@ from pins import MEGATRON_CORE
 
 from mtp_overlay.testing.releases import release_copy, run_json, run_with_release
 
+# fresh interpreters on release copies: the full suite (the pin's probe: the contract and support-matrix tests)
+pytestmark = pytest.mark.slow
+
 PATCHES = Path(__file__).resolve().parents[3] / "patches" / "mtp-sp-scatter" / "megatron-core"
 MODULE = "megatron/core/transformer/multi_token_prediction.py"
 
@@ -42,10 +45,7 @@ def apply_patch(site, patch):
 
 
 @pytest.mark.parametrize(
-    ("version", "variant"),
-    [pytest.param("0.16.1", "0.16-0.17", marks=pytest.mark.slow),
-     pytest.param("0.18.2", "0.18-0.19", marks=pytest.mark.slow),
-     (MEGATRON_CORE, "0.18-0.19")],  # other releases than the pin: the full suite
+    ("version", "variant"), [("0.16.1", "0.16-0.17"), ("0.18.2", "0.18-0.19"), (MEGATRON_CORE, "0.18-0.19")]
 )
 def test_stock_release_needs_the_fix_and_gets_the_hook(version, variant, tmp_path):
     row = report(site_of(version, tmp_path))
@@ -54,7 +54,6 @@ def test_stock_release_needs_the_fix_and_gets_the_hook(version, variant, tmp_pat
     assert row["wrapped"]
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(("version", "patch"), [("0.16.1", "0.16"), ("0.18.2", "0.18"), (MEGATRON_CORE, "0.19")])
 def test_release_carrying_the_fix_is_redundant_and_left_unwrapped(version, patch, tmp_path):
     site = site_of(version, tmp_path)
