@@ -22,6 +22,7 @@ import torch
 
 from mtp_overlay.testing import llava_oracle
 from mtp_overlay.testing.bridge import BRIDGE_MISSING, bridge_installed
+from mtp_overlay.testing.cases import failure_of, use_fixes
 from mtp_overlay.testing.launcher import run_ranks_checked
 from mtp_overlay.testing.megatron_step import relative_error
 
@@ -57,19 +58,6 @@ TYPE_ERROR = "TypeError: embedding(): argument 'indices' (position 2) must be Te
 TP_TYPE_ERROR = "TypeError: '<' not supported between instances of 'NoneType' and 'int'"
 
 
-def _use_fixes(fixes):
-    import mtp_overlay
-
-    mtp_overlay.uninstall()
-    mtp_overlay.install(only=list(fixes))
-
-
-def _error(call):
-    try:
-        call()
-    except Exception as exc:  # noqa: BLE001 - the stock failure is the result
-        return f"{type(exc).__name__}: {exc}"
-    return None
 
 
 def _batch(positions, seed=0):
@@ -118,10 +106,10 @@ def step_cases(layout):
         return MegatronStep(model, optimizer=None).step(microbatches, loss="2-output", update=False)
 
     results = {}
-    _use_fixes(())
+    use_fixes(())
     results["llava"] = step(build("*-*-"))
     results["reference"] = step(tiny_llava.CombinedIdsReference(build("*-*-")))
-    results["llava/mtp"] = _error(lambda: step(build("*-*-/*-")))
+    results["llava/mtp"] = failure_of(lambda: step(build("*-*-/*-")))
     patterns = {"reference/mtp": "*-*-/*-"}
     if layout == "tp1":
         patterns["reference/mtp2"] = "*-*-/*-/*-"  # two MTP depths
@@ -129,13 +117,13 @@ def step_cases(layout):
         model = tiny_llava.CombinedIdsReference(build("*-*-"))
         results["reference/images swapped"] = MegatronStep(model, optimizer=None).step(
             swapped, loss="2-output", update=False)
-    _use_fixes(spec["fixes"])
+    use_fixes(spec["fixes"])
     for name, pattern in patterns.items():
         reference = tiny_llava.CombinedIdsReference(build(pattern))
         with record_mtp(reference) as records:
             results[name] = step(reference)
         results[name + "/pairs"] = _pairs(records, microbatches)
-    _use_fixes(())
+    use_fixes(())
     return results
 
 
@@ -179,7 +167,7 @@ def build_without(attribute):
     from mtp_overlay.testing import cpu_shims, tiny_llava
 
     others = [shim for shim in cpu_shims.llava_stand_ins() if shim.attribute != attribute]
-    return _error(lambda: tiny_llava.build_tiny_llava(hybrid_layer_pattern="*-*-", stand_ins=others))
+    return failure_of(lambda: tiny_llava.build_tiny_llava(hybrid_layer_pattern="*-*-", stand_ins=others))
 
 
 def tp1_cases():
@@ -203,7 +191,7 @@ def tp1_cases():
     for attribute in ("__init__", "torch"):  # CLIPViTModel alone
         others = [shim for shim in cpu_shims.llava_stand_ins() if shim.attribute != attribute]
         with cpu_shims.swapped(others):
-            results[f"without {attribute}"] = _error(clip)
+            results[f"without {attribute}"] = failure_of(clip)
     with cpu_shims.llava_construction_stand_ins():
         model = clip()
     torch.nn.init.normal_(model.ln_pre.weight)
@@ -241,8 +229,8 @@ def tp1_cases():
 
     # --- the stock crash, and the same calls without MTP
     batch = _batch(STEP_BATCHES[0])
-    results["llava/mtp"] = _error(lambda: _forward(llava, batch))
-    results["language model/mtp"] = _error(lambda: tiny_llava.language_model_call(llava, batch))
+    results["llava/mtp"] = failure_of(lambda: _forward(llava, batch))
+    results["language model/mtp"] = failure_of(lambda: tiny_llava.language_model_call(llava, batch))
     plain = tiny_llava.build_tiny_llava(hybrid_layer_pattern="*-*-")
     output, mask = _forward(plain, batch)
     results["llava"] = (tuple(output.shape), tuple(mask.shape), float(mask.sum()))
@@ -257,7 +245,7 @@ def tp1_cases():
             output, _ = mimo(input_ids=text["input_ids"], position_ids=text["position_ids"], labels=text["labels"],
                              loss_mask=text["loss_mask"])
             return tuple(output.shape)
-        results[name] = _error(call) or call()
+        results[name] = failure_of(call) or call()
     return results
 
 
@@ -302,7 +290,7 @@ def omni_cases():
         def call(model=model):
             output, mask = _forward(model, dict(batch, images=torch.zeros(0, 3, 16, 16)))
             return tuple(output.shape)
-        results[name] = _error(call) or call()
+        results[name] = failure_of(call) or call()
     return results
 
 

@@ -6,6 +6,7 @@ none: stock megatron-core), and returns ``{case name: result}`` in plain numbers
 """
 
 from mtp_overlay.mtp import padding_multiple
+from mtp_overlay.testing.cases import use_fixes
 
 # four sequences of random lengths in [3, 15] (seeded: 9, 12, 6, 4) and their prompt lengths (the
 # loss mask leaves a sequence's prompt out)
@@ -118,20 +119,14 @@ def run_plan(cases):
     """Rank worker: run every case of a plan; ``{name: result}`` (plain numbers and numpy arrays)."""
     models, results = {}, {}
     for case in cases:
-        _use_fixes(case.get("fixes", ()))
+        use_fixes(case.get("fixes", ()))
         key = (case["model"], tuple(sorted(case.get("model_kwargs", {}).items())))
         if key not in models:
             models[key] = _build(case["model"], **case.get("model_kwargs", {}))
         results[case["name"]] = RUNNERS[case["kind"]](models[key], case)
-    _use_fixes(())
+    use_fixes(())
     return results
 
-
-def _use_fixes(fixes):
-    import mtp_overlay
-
-    mtp_overlay.uninstall()
-    mtp_overlay.install(only=list(fixes))
 
 
 def _build(model, **kwargs):

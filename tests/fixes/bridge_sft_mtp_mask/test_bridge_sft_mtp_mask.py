@@ -13,6 +13,7 @@ import pytest
 
 from mtp_overlay.testing import bridge_step
 from mtp_overlay.testing.bridge import BRIDGE_MISSING, bridge_installed
+from mtp_overlay.testing.cases import failure_of
 from mtp_overlay.testing.launcher import run_ranks_checked
 from mtp_overlay.testing.reproducers import reproduce
 
@@ -52,13 +53,6 @@ def install_exactly(fixes):
     if fixes:
         mtp_overlay.install(only=list(fixes))
 
-
-def error_of(call):
-    try:
-        call()
-    except Exception as exc:  # the test compares the kind and text of the failure
-        return f"{type(exc).__name__}: {exc}"
-    return None
 
 
 def checked_masks():
@@ -147,7 +141,7 @@ def tp1_worker():
         install_exactly(fixes)
         with mtp.loss_mask_scope(rl_mask):
             found = []
-            error = error_of(lambda: found.append(bridge_step.sft_mtp_case("nemotron_h")))
+            error = failure_of(lambda: found.append(bridge_step.sft_mtp_case("nemotron_h")))
         result["scoped"][fixes] = error or found[0]
     install_exactly(())
     result["probe"] = probe_of_edited_gpt_step()

@@ -12,6 +12,7 @@ import pytest
 import torch
 from pins import MEGATRON_CORE
 
+from mtp_overlay.testing.cases import failure_of
 from mtp_overlay.testing.launcher import run_ranks_checked
 from mtp_overlay.testing.releases import copy_installed, release_site, run_with_release
 from mtp_overlay.testing.syncs import checks_mode
@@ -40,13 +41,6 @@ def mtp_positions(mask):
     return float(mask[:, 2:].sum())
 
 
-def error_of(call):
-    try:
-        call()
-    except Exception as exc:  # the test compares the kind and text of the failure
-        return f"{type(exc).__name__}: {exc}"
-    return None
-
 
 # --- workers (run on spawned gloo ranks) -----------------------------------------------------------
 def tp1_worker():
@@ -66,12 +60,12 @@ def tp1_worker():
     steps["no_mask"] = train_step(model, batch, labels=None, loss_mask=None)
 
     ids, positions = batch["input_ids"], batch["position_ids"]
-    errors = {"short_mask": error_of(lambda: model(ids, positions, None, loss_mask=mask[:, :-2]))}
+    errors = {"short_mask": failure_of(lambda: model(ids, positions, None, loss_mask=mask[:, :-2]))}
     with mtp.loss_mask_scope(mask):
-        errors["scope_with_labels"] = error_of(lambda: model(ids, positions, None, labels=batch["labels"]))
+        errors["scope_with_labels"] = failure_of(lambda: model(ids, positions, None, labels=batch["labels"]))
     with mtp.loss_mask_scope(mask[:, :-2]):  # a wrong mask reaches only MTP models
-        errors["scope_on_mtp_model"] = error_of(lambda: model(ids, positions, None))
-        errors["scope_on_plain_model"] = error_of(lambda: build_tiny_gpt(mtp_num_layers=0, **MODEL)(ids, positions, None))
+        errors["scope_on_mtp_model"] = failure_of(lambda: model(ids, positions, None))
+        errors["scope_on_plain_model"] = failure_of(lambda: build_tiny_gpt(mtp_num_layers=0, **MODEL)(ids, positions, None))
     with checks_mode("full"):
         errors.update(packed_errors(model, ids, mask))
     errors.update({f"{k}_default": v for k, v in packed_errors(model, ids, mask).items()})
@@ -80,7 +74,7 @@ def tp1_worker():
     try:
         with mtp.loss_mask_scope(mask):
             steps["scoped_fix_off"] = train_step(model, batch, labels=None, loss_mask=None)
-        errors["short_mask_fix_off"] = error_of(lambda: model(ids, positions, None, loss_mask=mask[:, :-2]))
+        errors["short_mask_fix_off"] = failure_of(lambda: model(ids, positions, None, loss_mask=mask[:, :-2]))
         errors.update({f"{k}_fix_off": v for k, v in packed_errors(model, ids, mask).items()})
     finally:
         mtp_overlay.install(only=[FIX])
@@ -103,8 +97,8 @@ def packed_errors(model, ids, mask):
                                cu_seqlens_q_padded=packed.cu_seqlens_padded, cu_seqlens_kv_padded=packed.cu_seqlens_padded,
                                max_seqlen_q=packed.max_seqlen, max_seqlen_kv=packed.max_seqlen)
     return {
-        "packed_shifted": error_of(lambda: model(row, positions, None, loss_mask=shifted, packed_seq_params=te_style)),
-        "packed_te_boundaries": error_of(lambda: model(row, positions, None, loss_mask=packed.loss_mask, packed_seq_params=te_style)),
+        "packed_shifted": failure_of(lambda: model(row, positions, None, loss_mask=shifted, packed_seq_params=te_style)),
+        "packed_te_boundaries": failure_of(lambda: model(row, positions, None, loss_mask=packed.loss_mask, packed_seq_params=te_style)),
     }
 
 
@@ -201,7 +195,7 @@ def dp2_worker():
             logits = model(batch["input_ids"][rows], batch["position_ids"][rows], None, loss_mask=mask[rows])
             logits.float().logsumexp(-1).mean().backward()
     facts["after"] = model.config.mtp_grad_scale_func
-    facts["error_kept"] = error_of(lambda: _raise_inside_scale(mtp, model, tokens, weights))
+    facts["error_kept"] = failure_of(lambda: _raise_inside_scale(mtp, model, tokens, weights))
     facts["after_error"] = model.config.mtp_grad_scale_func
     tracker = MTPLossLoggingHelper.tracker
     facts["local"] = {key: tracker[key].tolist() for key in ("loss_values", "correct_values", "total_values")}

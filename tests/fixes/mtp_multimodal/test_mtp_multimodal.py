@@ -22,6 +22,7 @@ from pins import MEGATRON_CORE
 
 from mtp_overlay.testing import llava_oracle
 from mtp_overlay.testing.bridge import BRIDGE_MISSING, bridge_installed
+from mtp_overlay.testing.cases import failure_of, use_fixes
 from mtp_overlay.testing.launcher import run_ranks_checked
 from mtp_overlay.testing.megatron_step import relative_error
 from mtp_overlay.testing.reproducers import reproduce
@@ -41,19 +42,6 @@ IMAGE_TOKEN, VOCAB, TOKENS_PER_TILE, MAX_LENGTH = 127, 128, 4, 64  # tiny_llava'
 TOLERANCE = 1e-6
 
 
-def _use_fixes(fixes):
-    import mtp_overlay
-
-    mtp_overlay.uninstall()
-    mtp_overlay.install(only=list(fixes))
-
-
-def _error(call):
-    try:
-        call()
-    except Exception as exc:  # noqa: BLE001 - the stock failure is the result
-        return f"{type(exc).__name__}: {exc}"
-    return None
 
 
 def _batch(positions, seed=0):
@@ -126,9 +114,9 @@ def step_cases(layout):
 
     spec, build = LAYOUTS[layout], functools.partial(_build, layout)
     results = {}
-    _use_fixes(spec["fixes"])  # stock for this fix: the layout's other fixes only
-    results["stock"] = _error(lambda: _step(build(PATTERNS["mtp"])))
-    _use_fixes(spec["fixes"] + (LOSS_MASK, FIX))
+    use_fixes(spec["fixes"])  # stock for this fix: the layout's other fixes only
+    results["stock"] = failure_of(lambda: _step(build(PATTERNS["mtp"])))
+    use_fixes(spec["fixes"] + (LOSS_MASK, FIX))
     for name, pattern in PATTERNS.items():
         if name != "mtp" and layout != "tp1":
             continue
@@ -139,8 +127,8 @@ def step_cases(layout):
     import mtp_overlay
 
     mtp_overlay.uninstall(only=[LOSS_MASK])  # its forward hook gone, this fix still installed
-    results["without the loss-mask hook"] = _error(lambda: _step(build(PATTERNS["mtp"])))
-    _use_fixes(())
+    results["without the loss-mask hook"] = failure_of(lambda: _step(build(PATTERNS["mtp"])))
+    use_fixes(())
     return results
 
 
@@ -154,11 +142,11 @@ def patched_cases(layout):
     spec, build = LAYOUTS[layout], functools.partial(_build, layout)
     results = {}
     for name, fixes in (("patched", spec["fixes"]), ("patched+hook", spec["fixes"] + (LOSS_MASK, FIX))):
-        _use_fixes(fixes)
+        use_fixes(fixes)
         _recorded_step(build(PATTERNS["mtp"]), results, name)
         results[name + "/rl"] = rl_cases(build, reference=False)["rl/llava"]
         results[name + "/state"] = mtp_overlay.status(only=[FIX])[0].state
-    _use_fixes(())
+    use_fixes(())
     return results
 
 
@@ -412,15 +400,15 @@ def mimo_cases():
         call = dict(input_ids=batch["input_ids"], position_ids=batch["position_ids"], attention_mask=None,
                     labels=labels, loss_mask=batch["loss_mask"])
         kind = "sft" if labelled else "rl"
-        _use_fixes(spec["fixes"])
+        use_fixes(spec["fixes"])
         model = build()
-        results[f"{kind}/stock"] = _error(lambda: model(**call))
-        _use_fixes(spec["fixes"] + (LOSS_MASK, FIX))
+        results[f"{kind}/stock"] = failure_of(lambda: model(**call))
+        use_fixes(spec["fixes"] + (LOSS_MASK, FIX))
         model = build()
         results[f"{kind}/fixed"] = _rl_run(model, lambda: model(**call))
         model = build()
         results[f"{kind}/reference"] = _rl_run(model, lambda: reference_call(model, batch, labels, oracle.loss_mask))
-    _use_fixes(())
+    use_fixes(())
     return results
 
 
@@ -467,13 +455,13 @@ def omni_case():
                 attention_mask=None, labels=batch["labels"], loss_mask=batch["loss_mask"])
     results = {}
     for name, fixes in (("stock", ()), ("fixed", (LOSS_MASK, FIX))):
-        _use_fixes(fixes)
+        use_fixes(fixes)
         model = tiny_llava.build_bridge_omni(mtp_hybrid_override_pattern="*-")
         try:
             results[name] = _rl_run(model.llava_model, lambda model=model: model(**call))["pairs"]
         except Exception as exc:  # noqa: BLE001 - the stock failure is the result
             results[name] = f"{type(exc).__name__}: {exc}"
-    _use_fixes(())
+    use_fixes(())
     return results
 
 
