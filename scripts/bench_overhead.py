@@ -11,7 +11,7 @@ own logging, ``mtp_overlay.mtp.mtp_metrics``, reads the logged numbers on both s
 installed overlay must add none in the default mode; ``--checks full`` shows what
 ``MTP_OVERLAY_CHECKS=full`` adds.
 
-The MoE step: the zoo HybridModel (attention, MoE, MLP; the Super recipe's MTP ``"*E"`` at 2
+The MoE step: the zoo HybridModel (Mamba, attention, MoE, MLP; the Super recipe's MTP ``"*E"`` at 2
 depths, one repeated layer; MoE aux loss on) through Megatron's own step (DDP, the schedule,
 ``finalize_model_grads``; RL forward, per-token loss), one model built stock and one built with the
 overlay installed (mtp-moe-router's hook acts while the model is built), four sides per round in
@@ -86,7 +86,8 @@ def _own_seconds(profile, folder):
 def interleaved_moe_steps(repeats):
     """Rank worker: the zoo's step on four sides in rotating order each round (stock; the overlay's
     model with no fix installed; mtp-moe-router alone; the whole overlay), their medians and each side's
-    median ratio to the same round's stock step; and mtp-moe-router's functions that ran while its model was built and over its steps."""
+    median ratio to the same round's stock step; and mtp-moe-router's functions that ran while its
+    model was built and over its steps."""
     import cProfile
     import os
     import time

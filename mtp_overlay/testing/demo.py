@@ -1,7 +1,8 @@
 """The main job on an embedded default: tiny stock-megatron-core MTP models trained on gloo ranks, each
 fix off and on: a GPTModel at TP2 + sequence parallel, an RL forward with a response-only mask, a
-HybridModel on a packed (THD) batch with real sequence lengths under context parallelism, and a
-multimodal LLaVAModel (images and text) whose HybridModel language model has an MTP depth.
+HybridModel on a packed (THD) batch with real sequence lengths under context parallelism, a
+multimodal LLaVAModel (images and text) whose HybridModel language model has an MTP depth, and the
+Nemotron 3 Super recipe's MTP block with its repeated MoE layer.
 
 Run with `scripts/demo.sh` or `mtp-overlay demo`. The models, their MTP layers and the losses are
 megatron-core's own; CPU shims stand in for CUDA. What the ranks print (torch's and megatron-core's
@@ -15,9 +16,11 @@ from mtp_overlay import registry
 
 from .launcher import RankPool
 from .reproducers.mtp_loss_mask import scoped_mask_mtp_positions
+from .reproducers.mtp_moe_router import DEPTHS, NUM_LAYERS, PATTERN, stock_mtp_router
 from .reproducers.mtp_multimodal import llava_mtp_forward
 
 SP_SCATTER, LOSS_MASK, PACKED_ROLL, MULTIMODAL = "mtp-sp-scatter", "mtp-loss-mask", "mtp-packed-roll", "mtp-multimodal"
+MOE_ROUTER = "mtp-moe-router"
 NOT_SCATTERING = dict(sequence_parallel=True, scatter_embedding_sequence_parallel=False)
 # four sequences of a packed RL batch, their prompt lengths, each padded to a multiple of 2*CP = 4
 LENGTHS, PROMPTS, PAD_MULTIPLE = (9, 12, 6, 4), (2, 0, 3, 1), 4
@@ -114,5 +117,14 @@ def main(out=print, log=None):
                        f"{wrong} pairs wrong or missed, {run['image_targets']} image-bound")
             out(f"   {label}: MTP head trained on {len(run['trained'])} positions, the combined mask allows "
                 f"{len(run['allowed'])} ({verdict})")
+
+        out(f"\n== mtp-moe-router: MTP block {PATTERN!r} at {DEPTHS} depths, one repeated MoE layer "
+            "(Nemotron 3 Super), TP1")
+        for label, fixes in (("fix off", []), ("fix on ", [MOE_ROUTER])):
+            facts = tp1.run_checked(stock_mtp_router, fixes=fixes)[0]
+            right = facts["ratio"] == 1.0 and facts["slots"] == [NUM_LAYERS + 1]
+            ok &= right == bool(fixes)
+            out(f"   {label}: router is_mtp_layer={facts['flag']}, its aux-loss gradient {facts['ratio']:.3f}x the "
+                f"reference's, logged in slot {facts['slots']} (the MTP depth's: [{NUM_LAYERS + 1}])")
     out(f"\n(the ranks' own output: {log})")
     return 0 if ok else 1

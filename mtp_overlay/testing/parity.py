@@ -559,7 +559,7 @@ def notes_markdown(rows):
     lines = []
     if models & set(MOE_MODELS):
         lines.append(
-            f"zoo: the tiny HybridModel `{ZOO_PATTERN}` (attention, MoE, MLP; the Super recipe's MTP `*E` "
+            f"zoo: the tiny HybridModel `{ZOO_PATTERN}` (Mamba, attention, MoE, MLP; the Super recipe's MTP `*E` "
             "at 2 depths, one repeated layer; 4 experts, top-2, alltoall), bridge zoo: the same layers built by "
             "Megatron-Bridge's NemotronH provider (its router: sigmoid, expert bias, sequence aux loss; a shared "
             "expert). Their MoE aux-loss coefficient is 0: the load-balancing loss is a function of the whole "
