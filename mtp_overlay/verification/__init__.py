@@ -310,16 +310,19 @@ def megatron_core_fixes() -> list[str]:
 
 
 def ablations(fixes: list[str]) -> list[list[object]]:
-    """The overlay without each fix in turn, then without each fix together with a fix that reads its state
-    (``Declaration.reads``: mtp-loss-mask refuses a layout mtp-packed-roll would handle, so without
-    mtp-packed-roll alone the step is refused; without both it shows what stock's roll trains)."""
+    """The overlay without each fix in turn, then without each pair of fixes one of which reads the other's
+    state (``Declaration.reads``: mtp-loss-mask refuses a layout mtp-packed-roll would handle, so without
+    mtp-packed-roll alone the step is refused; without both it shows what stock's roll trains), each
+    pair once whichever way the reading goes."""
     from ..declarations import load
 
     cases: list[list[object]] = [[f"overlay without {fix}", [other for other in fixes if other != fix]]
                                  for fix in fixes]
+    pairs: set[frozenset[str]] = set()
     for reader in fixes:
         for read in load(reader).reads:
-            if read in fixes:
+            if read in fixes and frozenset((read, reader)) not in pairs:
+                pairs.add(frozenset((read, reader)))
                 cases.append([f"overlay without {read} and {reader}",
                               [other for other in fixes if other not in (read, reader)]])
     return cases

@@ -193,3 +193,20 @@ def test_a_needed_fix_that_another_requires_names_it():
     made = dataclasses.replace(make_report(), needs=found)
     assert "(fix-b requires it: without it that fix is not installed either)" in made.text()
     assert [need["required_by"] for need in made.as_dict()["needs"]] == [["fix-b"], []]
+
+
+def test_each_pair_of_fixes_that_read_each_other_is_ablated_once():
+    """mtp-loss-mask, mtp-packed-roll and mtp-cp-loss-scale each read the others' state: three pairs,
+    each run once, whichever fix's declaration names the other."""
+    from mtp_overlay import declarations
+    from mtp_overlay.verification import ablations
+
+    fixes = ["mtp-loss-mask", "mtp-packed-roll", "mtp-cp-loss-scale", "mtp-sp-scatter"]
+    cases = ablations(fixes)
+    singles = [label for label, _ in cases if " and " not in label]
+    pairs = [frozenset(label.removeprefix("overlay without ").split(" and ")) for label, _ in cases if " and " in label]
+    assert singles == [f"overlay without {fix}" for fix in fixes]
+    assert len(pairs) == len(set(pairs)) == 3
+    assert set(pairs) == {frozenset((a, b)) for a in fixes for b in declarations.load(a).reads if b in fixes}
+    for label, kept in cases:
+        assert not any(fix in label.split(" and ") or f"without {fix}" in label for fix in kept)
