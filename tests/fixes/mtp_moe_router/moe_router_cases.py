@@ -4,6 +4,10 @@ A module of its own (not a test module) so that a script run with another megatr
 path imports the same workers (``sys.path`` gets this folder) and ranks unpickle them by this name.
 """
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 from mtp_overlay.testing import parity
@@ -123,3 +127,14 @@ def router_classes():
     facts["flags"] = [layer.is_mtp_layer, layer.router.is_mtp_layer]
     mtp_overlay.uninstall()
     return facts
+
+
+def facts_on(site, template, script):
+    """Run ``template`` (its ``{tests}`` / ``{fix}`` filled in) as ``script`` with the megatron-core
+    copy ``site`` first on the path; the JSON its last ``FACTS `` line prints."""
+    Path(script).write_text(template.format(tests=str(Path(__file__).parent), fix=FIX))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))}
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=900)
+    lines = [line for line in result.stdout.splitlines() if line.startswith("FACTS ")]
+    assert result.returncode == 0 and lines, result.stderr[-3000:]
+    return json.loads(lines[-1][len("FACTS "):])

@@ -21,12 +21,11 @@ fresh interpreter importing such a copy with the overlay on:
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
-from moe_router_cases import FIX, two_backbone_moe
+from moe_router_cases import FIX, facts_on, two_backbone_moe
 from pins import MEGATRON_CORE
 
 from mtp_overlay.fixes.mtp_moe_router import verdict
@@ -240,13 +239,7 @@ def test_patched_release_trains_like_the_hook(tmp_path):
     gives the gradients and slots the hook gives on the stock pinned release."""
     site = copy_of(MEGATRON_CORE, tmp_path)
     apply_patch(site, "0.19")
-    script = tmp_path / "on_patched.py"
-    script.write_text(ON_PATCHED.format(tests=str(Path(__file__).parent), fix=FIX))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))}
-    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=900)
-    lines = [line for line in result.stdout.splitlines() if line.startswith("FACTS ")]
-    assert result.returncode == 0 and lines, result.stderr[-3000:]
-    patched = json.loads(lines[-1][len("FACTS "):])
+    patched = facts_on(site, ON_PATCHED, tmp_path / "on_patched.py")
     assert patched["file"].startswith(str(site)) and patched["error"] is None
     hooked = run_ranks_checked(two_backbone_moe, 1, args=((FIX,),), fixes=[], timeout=600)[0]
     assert {metric: tuple(slots) for metric, slots in patched["slots"].items()} == hooked["slots"]

@@ -24,15 +24,9 @@ release. Router replay (the pin's ``router_replay.py:26-112``) lists the routers
 MTP router last; its ``layer_number`` (2) is backbone layer 2's with or without the fix.
 """
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
-from moe_router_cases import FIX, VARIANTS, aux_step, router_classes, two_backbone_moe
+from moe_router_cases import FIX, VARIANTS, aux_step, facts_on, router_classes, two_backbone_moe
 
 from mtp_overlay.testing.bridge import BRIDGE_MISSING, bridge_installed
 from mtp_overlay.testing.launcher import run_ranks_checked
@@ -253,13 +247,7 @@ def test_upstreams_flag_alone_crashes_where_the_overlay_trains(tmp_path, tp1):
     source = path.read_text()
     assert source.count(PR_6748) == 1
     path.write_text(source.replace(PR_6748, PR_6748 + "                        is_mtp_layer=is_mtp_layer,\n"))
-    script = tmp_path / "on_copy.py"
-    script.write_text(ON_COPY.format(tests=str(Path(__file__).parent), fix=FIX))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))}
-    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=900)
-    lines = [line for line in result.stdout.splitlines() if line.startswith("FACTS ")]
-    assert result.returncode == 0 and lines, result.stderr[-3000:]
-    facts = json.loads(lines[-1][len("FACTS "):])
+    facts = facts_on(site, ON_COPY, tmp_path / "on_copy.py")
     assert facts["file"].startswith(str(site))
     ((verdict, reason),) = facts["check"]
     assert verdict == "needed" and "passes is_mtp_layer (PR #6748)" in reason and "#7172" in reason
