@@ -9,9 +9,13 @@ of its step. So the hooks check in one of two modes:
   on shapes, dtypes and devices is checked on the host as always (ValueError naming the argument).
   What depends on values runs on the device: ``torch._assert_async`` of the condition, queued with
   the work, no wait. A failed assert stops the run at the device's next sync: on CPU at once, as a
-  RuntimeError carrying the message; on CUDA as "device-side assert triggered" (PyTorch drops the
-  message there), after which the process cannot use the device again. The message, or the
-  traceback's hook, says which check it was; ``MTP_OVERLAY_CHECKS=full`` reruns it with the detail.
+  RuntimeError carrying the message; on CUDA the message goes to the process's stderr only (the
+  kernel prints it), Python sees ``RuntimeError: CUDA error: device-side assert triggered`` at the
+  next sync, and the process cannot use the device again. The message names the check in a few
+  words; ``MTP_OVERLAY_CHECKS=full`` reruns it with the detail (positions, what to do).
+  The message is short by rule: CUDA copies it into a 256-byte buffer and refuses one of 255 bytes
+  or more when the assert is *queued*, whatever the condition (PyTorch PR #134813; MPS: under 250),
+  so every message, prefix included, stays under `MESSAGE_LIMIT` bytes.
 * ``full``: every check on the host, each failure a ValueError naming the argument, the offending
   positions and what to do (the behaviour of earlier releases): one or more device syncs per
   forward. For debugging, or a first step on a new data pipeline.
@@ -35,7 +39,8 @@ if TYPE_CHECKING:  # annotations only: torch loads inside the functions
 VARIABLE = "MTP_OVERLAY_CHECKS"
 DEFAULT, FULL = "default", "full"
 MODES = (DEFAULT, FULL)
-RERUN = f"{VARIABLE}={FULL} raises a ValueError with the detail"
+RERUN = f"{VARIABLE}={FULL} for detail"
+MESSAGE_LIMIT = 200  # bytes a queued message may have, prefix included (CUDA refuses 255+, MPS 250+)
 
 _last: tuple[str, str] = ("", DEFAULT)  # (raw value, mode) of the last read
 
@@ -69,7 +74,9 @@ def full() -> bool:
 def device_assert(condition: torch.Tensor, message: str) -> None:
     """Queue the check that ``condition`` (a bool tensor, one element) holds, without a host read.
 
-    ``message`` says what is wrong, naming the argument; the text is the RuntimeError's on CPU.
+    ``message`` says what is wrong in a few words, naming the argument (the detail is the ``full``
+    mode's); with the prefix and `RERUN` it stays under `MESSAGE_LIMIT` bytes (the suite's test bed
+    enforces CUDA's rule on CPU). The text is the RuntimeError's on CPU, stderr's on CUDA.
     """
     import torch
 

@@ -223,9 +223,7 @@ def assert_loss_mask_layout(
         real_lengths = torch.stack([real_lengths, real_lengths], 1).flatten()
     tokens = torch.minimum((real_lengths - offsets).clamp(min=0), lengths)  # each run's real slots come first
     padding = ~covered(starts, tokens, length)
-    device_assert(~((loss_mask != 0) & padding).any(), (
-        f"loss_mask is nonzero in a padding slot of the packed input_ids (cp {cp_rank}/{cp_size}): pack the mask "
-        "with the tokens' boundaries and per-sequence padding, pad slots 0 (mtp_overlay.mtp.pack_sequences)"))
+    device_assert(~((loss_mask != 0) & padding).any(), f"loss_mask is nonzero in a padding slot (cp rank {cp_rank}/{cp_size})")
 
 
 def label_aligned_signature(

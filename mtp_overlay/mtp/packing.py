@@ -274,15 +274,17 @@ def assert_boundaries(
     valid = (cu[0] == 0) & (lengths >= 0).all() & (cu[-1] == local_length * cp_size)
     if cp_size > 1:
         valid &= (lengths % (2 * cp_size) == 0).all()
-    rule = f", each length a multiple of 2*cp_size={2 * cp_size}" if cp_size > 1 else ""
-    device_assert(valid, (
-        f"{name} must start at 0, never decrease{rule} and end at {local_length * cp_size} (the row's "
-        f"{local_length} slots x cp_size {cp_size})"))
+    rule = f", lengths multiples of {2 * cp_size}" if cp_size > 1 else ""
+    device_assert(valid, f"{_short(name)}: start 0, never decrease{rule}, end {local_length * cp_size}")
     if real is not None:
         real_lengths = real[1:] - real[:-1]
         fits = (real[0] == 0) & (real_lengths >= 0).all() & (real_lengths <= lengths).all()
-        device_assert(fits, f"{real_name} must start at 0, never decrease and fit in {name} (each real "
-                                   "length at most its padded one)")
+        device_assert(fits, f"{_short(real_name)}: start 0, never decrease, each length <= {_short(name)}'s")
+
+
+def _short(name: str) -> str:
+    """An argument's name in a device message (``packed_seq_params.`` is implied there)."""
+    return name.removeprefix("packed_seq_params.")
 
 
 def packed_seq_params(packed: PackedBatch, real_lengths: bool = False) -> PackedSeqParams:

@@ -28,9 +28,9 @@ import time
 import traceback
 
 from . import preloaded
+from .device import HIDE_CUDA, check_device, emulate_cuda_asserts, rank_context
 
 FAILURE_GRACE_S = 10.0
-DEVICES = ("cpu", "cuda")
 # MTP_OVERLAY_SHARED_RANKS=1: run_ranks reuses one pool per layout and sys.path for the process's
 # life (a test suite's), keeping at most SHARED_POOLS of them started
 SHARED_RANKS = "MTP_OVERLAY_SHARED_RANKS"
@@ -130,16 +130,19 @@ class RankPool:
         self.close()
 
     def _start(self):
-        context = preloaded.context()
+        context = rank_context(self.device)
         port = _free_port()
+        # CPU ranks never see CUDA; CUDA ranks are spawned, born with the overlay off (preloaded's rule)
+        environ = dict(os.environ, **HIDE_CUDA) if self.device == "cpu" else dict(os.environ)
         for rank in range(self.world_size):
             ours, theirs = context.Pipe(duplex=True)
-            setup = dict(rank=rank, world_size=self.world_size, port=port, seed=self.seed, environ=dict(os.environ))
+            setup = dict(rank=rank, world_size=self.world_size, port=port, seed=self.seed, environ=environ)
             setup.update(tp=self.tp, cp=self.cp, pp=self.pp, ep=self.ep, etp=self.etp, device=self.device, log=self.log)
             self._processes[rank] = context.Process(target=_worker, args=(setup, theirs), daemon=True)
             self._connections[rank] = ours
             try:
-                self._processes[rank].start()
+                with preloaded.born_with({preloaded.DISABLE: "all"}):
+                    preloaded.start(self._processes[rank])
             finally:
                 theirs.close()  # the child holds the only other end: EOF means it died
 
@@ -193,9 +196,7 @@ def _check_layout(world_size, tp, cp, device, pp=1, ep=1, etp=None):
             f"world_size ({world_size}) must be a multiple of etp * ep ({expert_tp} * {ep}; etp defaults to tp): "
             "megatron-core lays the experts' tensor x expert parallel grid over the same ranks"
         )
-    if device not in DEVICES:
-        raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
-    if device == "cuda":
+    if check_device(device) == "cuda":
         import torch
 
         if world_size > torch.cuda.device_count():
@@ -301,6 +302,7 @@ class _RankContext:
             from . import cpu_shims
 
             cpu_shims.install()
+            emulate_cuda_asserts()
             backend = "gloo"
         else:
             torch.cuda.set_device(setup["rank"] % torch.cuda.device_count())

@@ -7,6 +7,10 @@ touches. A multiprocessing forkserver imports them once (`PRELOAD`); every rank 
 vary is preloaded: the child sets its environment and ``sys.path`` before it imports the overlay or
 any upstream package that a fix targets.
 
+CUDA-safe: the server and every child of it run with CUDA hidden (`device.HIDE_CUDA`), so nothing
+preloaded can initialise CUDA before a fork (the children's CUDA would be unusable); CUDA ranks are
+spawned instead (`device.rank_context`).
+
 Stock means stock: the server is born with ``MTP_OVERLAY_DISABLE=all``, so whatever in a child
 imports the overlay before the child has set its own environment (unpickling a rank's target,
 multiprocessing importing the caller's main module, a ``.pth`` startup hook) installs nothing, and
@@ -14,6 +18,7 @@ the child then installs exactly the fixes it was asked for (`install_exactly`): 
 case did not ask for are never imported, rather than installed and taken out again.
 """
 
+import contextlib
 import json
 import multiprocessing
 import multiprocessing.forkserver
@@ -24,6 +29,8 @@ import tempfile
 import threading
 import types
 from pathlib import Path
+
+from .device import HIDE_CUDA
 
 PRELOAD = ["torch", "torch._dynamo", "torch._inductor.compile_fx", "flashinfer"]
 DISABLE = "MTP_OVERLAY_DISABLE"  # the product's switch (mtp_overlay.registry.disabled_from_env)
@@ -38,17 +45,39 @@ _server_lock = threading.Lock()
 
 def context():
     """The multiprocessing context whose processes fork from the preloaded server (started here, born
-    with the overlay switched off, when it is not running)."""
+    with the overlay switched off and CUDA hidden, when it is not running)."""
     forkserver = multiprocessing.get_context("forkserver")
     forkserver.set_forkserver_preload(PRELOAD)
-    with _server_lock:  # the server copies our environment when it starts: lend it the switch for that
-        caller = os.environ.get(DISABLE)
-        os.environ[DISABLE] = "all"
-        try:
-            multiprocessing.forkserver.ensure_running()
-        finally:
-            _set_switch(caller)
+    with born_with({DISABLE: "all", **HIDE_CUDA}):  # the server copies our environment when it starts
+        multiprocessing.forkserver.ensure_running()
     return forkserver
+
+
+@contextlib.contextmanager
+def born_with(variables):
+    """Lend ``variables`` to ``os.environ`` while a process that copies it starts (one at a time)."""
+    with _server_lock:
+        saved = {name: os.environ.get(name) for name in variables}
+        os.environ.update(variables)
+        try:
+            yield
+        finally:
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
+
+
+def start(process):
+    """``process.start()`` without our ``__main__``, which multiprocessing would import in the child
+    (a script's top level run again there)."""
+    caller_main = sys.modules["__main__"]
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        process.start()
+    finally:
+        sys.modules["__main__"] = caller_main
 
 
 def install_exactly(fixes, switch):
@@ -83,7 +112,8 @@ def _set_switch(value):
 def run_python(code, env, timeout, cwd=None, fixes=None):
     """What ``subprocess.run([sys.executable, "-c", code], env=env, cwd=cwd, capture_output=True,
     text=True, timeout=timeout)`` returns, run in a child of the preloaded server (a real subprocess
-    when ``env`` sets a variable only interpreter start-up reads).
+    when ``env`` sets a variable only interpreter start-up reads). The child runs on CPU: its
+    environment is ``env`` with CUDA hidden (`device.HIDE_CUDA`).
 
     fixes: None runs ``code`` as ``python -c`` would (its ``import mtp_overlay`` installs what ``env``
     enables); a list of fix ids makes a stock interpreter (``MTP_OVERLAY_DISABLE=all`` from its start)
@@ -108,15 +138,10 @@ def run_python(code, env, timeout, cwd=None, fixes=None):
     path = [part for entry in _fresh_path for part in (entries if entry == _PYTHONPATH_SLOT else [entry])]
     with tempfile.TemporaryDirectory(prefix="mtp-overlay-python-") as folder:
         out, err = Path(folder, "stdout"), Path(folder, "stderr")
-        names = dict(code=code, env=dict(env), sys_path=path, out=str(out), err=str(err),
+        names = dict(code=code, env={**env, **HIDE_CUDA}, sys_path=path, out=str(out), err=str(err),
                      cwd=os.fspath(cwd or os.getcwd()), fixes=None if fixes is None else list(fixes))
         child = context().Process(target=exec, args=(_PYTHON_CHILD, names))
-        caller_main = sys.modules["__main__"]
-        sys.modules["__main__"] = types.ModuleType("__main__")  # multiprocessing would import ours in the child
-        try:
-            child.start()
-        finally:
-            sys.modules["__main__"] = caller_main
+        start(child)
         child.join(timeout)
         if child.is_alive():
             child.kill()

@@ -374,7 +374,8 @@ def test_masks_on_two_devices_are_a_value_error_naming_both(mtp_config, mtp_off_
     if "cuda" in (token_device, sample_device) and not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     token_mask, weights = torch.ones(2, 3, device=token_device), torch.ones(2, device=sample_device)
-    message = f"token_mask is on {token_device} but sample_mask on {sample_device}"
+    # the devices as the tensors name them ("cuda:0" for "cuda")
+    message = f"token_mask is on {token_mask.device} but sample_mask on {weights.device}"
     for config in (mtp_config, mtp_off_config):
         with pytest.raises(ValueError, match=message):
             mtp.build_mtp_loss_mask(token_mask, weights, config)

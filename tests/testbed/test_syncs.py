@@ -17,34 +17,36 @@ T = torch.tensor([1.0, 2.0, 3.0])
 I = torch.tensor(1)
 MASK = T > 1
 
-READS = {  # kind -> a call that makes exactly one such read
-    "Tensor.__bool__": lambda: bool(T.any()),
-    "Tensor.item": lambda: T.sum().item(),
-    "Tensor.tolist": lambda: T.tolist(),
-    "Tensor.nonzero": lambda: T.nonzero(),
-    "torch.nonzero": lambda: torch.nonzero(T),
-    "torch.argwhere": lambda: torch.argwhere(T),
-    "torch.equal": lambda: torch.equal(T, T),
-    "torch.allclose": lambda: torch.allclose(T, T),
-    "Tensor.numpy": lambda: T.numpy(),
-    "Tensor.__array__": lambda: numpy.asarray(T),
-    "Tensor.__int__": lambda: int(I),
-    "Tensor.__float__": lambda: float(I),
-    "Tensor.__index__": lambda: [0, 1, 2][I],
-    "Tensor.cpu": lambda: T.cpu(),
-    "Tensor.to": lambda: T.to("cpu"),
-    "Tensor.__repr__": lambda: repr(T),
-    "Tensor.__format__": lambda: f"{T.sum():.2f}",
-    "Tensor.__getitem__": lambda: T[MASK],
-    "Tensor.__setitem__": lambda: T.clone().__setitem__(MASK, 0),
-    "Tensor.masked_select": lambda: T.masked_select(MASK),
-    "torch.unique": lambda: torch.unique(T),
-    "torch.where": lambda: torch.where(MASK),
-    "torch.repeat_interleave": lambda: torch.repeat_interleave(T, torch.tensor([1, 2, 1])),
-    "Tensor.repeat_interleave": lambda: T.repeat_interleave(torch.tensor([1, 2, 1])),
-    "torch.bincount": lambda: torch.bincount(torch.tensor([0, 2])),
-    "torch.arange": lambda: torch.arange(I),
-    "Tensor.__contains__": lambda: 2.0 in T,
+SCALAR = "aten::_local_scalar_dense"  # what every scalar read dispatches, from Python or C++
+READS = {  # a call that makes exactly one host read -> the kind recorded
+    "bool": (lambda: bool(T.any()), SCALAR),
+    "item": (lambda: T.sum().item(), SCALAR),
+    "int": (lambda: int(I), SCALAR),
+    "float": (lambda: float(I), SCALAR),
+    "list index": (lambda: [0, 1, 2][I], SCALAR),
+    "slice bound": (lambda: T[:I], SCALAR),  # C++ converts the 0-dim tensor: no Python method runs
+    "arange(tensor)": (lambda: torch.arange(I), SCALAR),
+    "in": (lambda: 2.0 in T, SCALAR),
+    "Tensor.nonzero": (lambda: T.nonzero(), "aten::nonzero"),
+    "torch.nonzero": (lambda: torch.nonzero(T), "aten::nonzero"),
+    "torch.argwhere": (lambda: torch.argwhere(T), "aten::nonzero"),
+    "torch.where(c)": (lambda: torch.where(MASK), "aten::nonzero"),
+    "torch.equal": (lambda: torch.equal(T, T), "aten::equal"),
+    "torch.allclose": (lambda: torch.allclose(T, T), "aten::allclose"),
+    "boolean index": (lambda: T[MASK], "aten::index.Tensor"),
+    "boolean index set": (lambda: T.clone().__setitem__(MASK, 0), "aten::index_put_"),
+    "masked_select": (lambda: T.masked_select(MASK), "aten::masked_select"),
+    "unique": (lambda: torch.unique(T), "aten::_unique2"),
+    "torch.repeat_interleave": (lambda: torch.repeat_interleave(T, torch.tensor([1, 2, 1])), "aten::repeat_interleave.Tensor"),
+    "Tensor.repeat_interleave": (lambda: T.repeat_interleave(torch.tensor([1, 2, 1])), "aten::repeat_interleave.Tensor"),
+    "bincount": (lambda: torch.bincount(torch.tensor([0, 2])), "aten::bincount"),
+    "tolist": (lambda: T.tolist(), "Tensor.tolist"),  # these dispatch nothing for a host tensor
+    "numpy": (lambda: T.numpy(), "Tensor.numpy"),
+    "numpy.asarray": (lambda: numpy.asarray(T), "Tensor.__array__"),
+    "cpu": (lambda: T.cpu(), "Tensor.cpu"),
+    "to(cpu)": (lambda: T.to("cpu"), "Tensor.to"),
+    "repr": (lambda: repr(T), "Tensor.__repr__"),
+    "format": (lambda: f"{T.sum():.2f}", "Tensor.__format__"),
 }
 NO_READS = {  # device work only: nothing read on the host
     "any": lambda: T.any(),
@@ -60,10 +62,11 @@ NO_READS = {  # device work only: nothing read on the host
 }
 
 
-@pytest.mark.parametrize("kind", sorted(READS))
-def test_each_kind_of_host_read_is_counted_once_and_here(kind):
+@pytest.mark.parametrize("what", sorted(READS))
+def test_each_kind_of_host_read_is_counted_once_and_here(what):
+    call, kind = READS[what]
     with SyncCounter() as counted:
-        READS[kind]()
+        call()
     assert [event.kind for event in counted.events] == [kind], counted.events
     event = counted.events[0]
     assert event.origin == "other" and event.file == __file__ and event.function == "<lambda>"
@@ -106,7 +109,7 @@ def test_a_read_inside_another_is_one_read_and_backward_is_counted():
     with SyncCounter() as counted:
         repr(torch.arange(6.0).reshape(2, 3))  # reads every element inside: one read
         Doubling.apply(weight).sum().backward()
-    assert [event.kind for event in counted.events] == ["Tensor.__repr__", "Tensor.item"]
+    assert [event.kind for event in counted.events] == ["Tensor.__repr__", SCALAR]
     assert counted.events[1].function == "backward"
 
 
@@ -127,7 +130,7 @@ def test_reads_are_attributed_to_the_overlay_megatron_and_the_test_bed():
     assert by_origin["other"] == 0
     assert {event.file.rsplit("/", 2)[-2] for event in counted.of("overlay")} == {"mtp"}
     assert all(event.file.endswith("rerun_state_machine.py") for event in counted.of("megatron"))
-    assert counted.of("test bed")[0].kind == "torch.equal" and counted.of("test bed")[0].file == cpu_shims.__file__
+    assert counted.of("test bed")[0].kind == "aten::equal" and counted.of("test bed")[0].file == cpu_shims.__file__
     assert sum(counted.summary("overlay").values()) == counted.overlay
 
 
