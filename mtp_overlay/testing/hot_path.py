@@ -7,7 +7,8 @@ mask routed and checked, the packed rolls, the CP loss scale, the SP scatter of 
 scatter its embedding). `step_reads` runs on each rank and counts (`syncs.SyncCounter`) the reads of
 the forward+backward alone, step by step: ``first`` (the one-time checks), ``warm`` (every later
 step), ``bshd`` (full-length rows), ``full`` (``MTP_OVERLAY_CHECKS=full``) and ``stock`` (the padded
-flavour, which stock can train). ``tests/testbed/test_hot_path_syncs.py`` asserts on it;
+flavour, which stock can train), and the longest device-assert message the rank queued (CUDA
+refuses 255 bytes or more). ``tests/testbed/test_hot_path_syncs.py`` asserts on it;
 ``scripts/hot_path_syncs.py`` prints it.
 """
 
@@ -26,6 +27,7 @@ def step_reads(model_name, sequence_parallel, pad_multiple):
     from . import parity
     from .megatron_step import MegatronStep
     from .reproducers.mtp_cp_loss_scale import microbatch
+    from .device import longest_assert_message
     from .syncs import SyncCounter, checks_mode
 
     mtp_overlay.uninstall()  # the model is built by stock megatron-core, then every fix goes in
@@ -49,7 +51,8 @@ def step_reads(model_name, sequence_parallel, pad_multiple):
     mtp_overlay.uninstall()
     mtp_overlay.install(only=["mtp-sp-scatter"] if model_name in parity.NOT_SCATTERING else [])
     out["stock"] = counted(parity.packed_row(pad_multiple, "padded").microbatch(labels=False))
-    return {key: (summary, result.grads, result.mtp_tokens) for key, (summary, result) in out.items()}
+    steps = {key: (summary, result.grads, result.mtp_tokens) for key, (summary, result) in out.items()}
+    return {**steps, "longest assert message": longest_assert_message()}
 
 
 def run(layout):

@@ -1,13 +1,13 @@
 """Run functions on N spawned torch.distributed ranks with Megatron model parallelism set up.
 
-A `RankPool` starts ``world_size`` processes once (forked from `preloaded`'s server, prepared as
-spawned ones); each joins a process group on 127.0.0.1 (gloo on CPU, nccl on CUDA) and calls
+A `RankPool` starts ``world_size`` processes once (CPU ranks forked from `preloaded`'s server,
+prepared as spawned ones, with CUDA hidden; CUDA ranks spawned: `device`); each joins a process group on 127.0.0.1 (gloo on CPU, nccl on CUDA) and calls
 ``parallel_state.initialize_model_parallel`` with the pool's tensor, context, pipeline and expert
 parallel sizes. Every ``pool.run(fn)`` then installs the asked-for fixes in the ranks, seeds every
 generator (torch, Python, Megatron's model-parallel RNG tracker) and runs ``fn(*args, **kwargs)`` on
 every rank: the cost of starting ranks and importing torch and megatron-core is paid once per pool,
 not per case. `run_ranks` is a pool used for one call. On CPU the shims of ``cpu_shims`` are
-installed in the ranks. A rank that crashes or hangs never hangs the caller: each run is bounded by
+installed in the ranks, and CUDA's device-assert rule is enforced there (`device.emulate_cuda_asserts`). A rank that crashes or hangs never hangs the caller: each run is bounded by
 ``timeout``; once one rank failed, the others get ``FAILURE_GRACE_S`` before they are killed, and a
 pool whose run failed starts fresh ranks for its next run. Ranks are born with the overlay switched
 off (`preloaded`): a run installs exactly the fixes it asks for, and a rank never imports the module
@@ -141,8 +141,8 @@ class RankPool:
             self._processes[rank] = context.Process(target=_worker, args=(setup, theirs), daemon=True)
             self._connections[rank] = ours
             try:
-                with preloaded.born_with({preloaded.DISABLE: "all"}):
-                    preloaded.start(self._processes[rank])
+                with preloaded.born_with({preloaded.DISABLE: "all"}):  # a spawned rank copies it
+                    self._processes[rank].start()
             finally:
                 theirs.close()  # the child holds the only other end: EOF means it died
 

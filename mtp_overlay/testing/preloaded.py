@@ -69,17 +69,6 @@ def born_with(variables):
                     os.environ[name] = value
 
 
-def start(process):
-    """``process.start()`` without our ``__main__``, which multiprocessing would import in the child
-    (a script's top level run again there)."""
-    caller_main = sys.modules["__main__"]
-    sys.modules["__main__"] = types.ModuleType("__main__")
-    try:
-        process.start()
-    finally:
-        sys.modules["__main__"] = caller_main
-
-
 def install_exactly(fixes, switch):
     """In a process born with the overlay off: install what a case asked for, then leave the
     environment's ``MTP_OVERLAY_DISABLE`` at the caller's value ``switch`` (None: unset).
@@ -141,7 +130,12 @@ def run_python(code, env, timeout, cwd=None, fixes=None):
         names = dict(code=code, env={**env, **HIDE_CUDA}, sys_path=path, out=str(out), err=str(err),
                      cwd=os.fspath(cwd or os.getcwd()), fixes=None if fixes is None else list(fixes))
         child = context().Process(target=exec, args=(_PYTHON_CHILD, names))
-        start(child)
+        caller_main = sys.modules["__main__"]
+        sys.modules["__main__"] = types.ModuleType("__main__")  # multiprocessing would import ours in the child
+        try:
+            child.start()
+        finally:
+            sys.modules["__main__"] = caller_main
         child.join(timeout)
         if child.is_alive():
             child.kill()

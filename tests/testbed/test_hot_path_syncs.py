@@ -3,7 +3,8 @@
 Megatron's own training step on the tiny HybridModel, a packed THD row in NeMo-RL's real-lengths
 flavour (then a BSHD batch), an RL forward with the MTP mask scoped: every megatron-core fix's hook
 on the path (`mtp_overlay.testing.hot_path`), at TP1, CP2 and TP2+SP. `SyncCounter` counts every
-host read of the forward+backward by who made it. In the default mode the overlay's count is 0
+host read of the forward+backward by who made it, at the aten level (the reads C++ makes, such as a
+0-dim tensor used as a slice bound, included). In the default mode the overlay's count is 0
 from the second step on; the first step makes the one-time checks (the mask's alignment: one
 read); ``MTP_OVERLAY_CHECKS=full`` makes the host-side checks (so the counter sees the overlay's
 reads when there are any) and trains the same gradients. Wall time on 2 shared cores (load ~7), alone: 23 s for CP2, 20 s more for TP1 and
@@ -13,6 +14,7 @@ TP2+SP (slow); with the suite's shared pools a few seconds per layout.
 import numpy
 import pytest
 
+from mtp_overlay.mtp.checks import MESSAGE_LIMIT
 from mtp_overlay.testing import hot_path
 
 
@@ -38,7 +40,13 @@ def test_the_overlay_adds_no_host_read_per_step_by_default(layout):
         assert kind == "Tensor.tolist" and "mtp_overlay/mtp/layout.py" in place, first
         # stock makes its own reads; the counter sees them, apart from the overlay's
         assert sum(out["stock"][0].values()) > 0 and overlay(out["stock"][0]) == {}
+        # stock's per-sequence roll slices by 0-dim boundary tensors: C++ reads them, and they count
+        assert any(kind == "aten::_local_scalar_dense" and "transformer/multi_token_prediction.py" in place
+                   for (_, kind, place) in out["stock"][0]), out["stock"][0]
         assert {origin for origin, _, _ in out["warm"][0]} <= {"megatron", "test bed"}
+        # the device checks ran (default mode) and every message they queued fits CUDA's buffer
+        size, message = out["longest assert message"]
+        assert 0 < size < MESSAGE_LIMIT and message.startswith("mtp-overlay: "), message
 
 
 def test_the_full_checks_read_on_the_host_and_train_the_same(layout):

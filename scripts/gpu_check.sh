@@ -1,0 +1,102 @@
+#!/usr/bin/env bash
+# One prepared GPU run: what only a GPU shows, in one table at the end.
+#
+#   scripts/gpu_check.sh --fetch-wheels   here (package index reachable): the wheels into .whl/
+#   scripts/gpu_check.sh                  on the GPU machine (its own torch, no network; .whl/ carried)
+#   scripts/gpu_check.sh --cpu            the same rows on CPU with small sizes, in .venv (the suite runs it)
+#
+# Rows: the GPU-marked tests; `mtp-overlay demo` and `mtp-overlay verify --hf-config
+# tests/verification/configs/nemotron_h_like` on this host (their ranks run on CPU with CUDA hidden,
+# the host's CUDA in use by the caller); the hot path (mtp_overlay/testing/gpu_check.py): a 655M and a
+# 22M-parameter GPTModel in bf16 through Float16Module (on CPU: a tiny one in fp32), BSHD, THD padded
+# and THD real-lengths, stock and with every fix: MTP loss per depth, syncs per step (aten-level counter,
+# and CUDA's own detector), aten ops, step time (interleaved, median), the refit fingerprint's speed.
+# megatron-core, Megatron-Bridge, wrapt, pytest and hypothesis travel as wheels (a few MB); vLLM and
+# Transformer Engine do not (too large), so vLLM's GPU tests are not collected there and THD attention
+# is the test bed's stand-in. Budget: 6 minutes on one H200, wheel install included. The table goes to
+# stdout and, where $OUT is set (the device tool), to $OUT/gpu_check.txt. Exit 1 when a row failed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+wheels=.whl
+# the carried distributions, at the pins of scripts/constraints.txt
+carried=(megatron-core megatron-bridge wrapt omegaconf antlr4-python3-runtime einops pytest pluggy iniconfig
+         hypothesis sortedcontainers attrs)
+pin() { grep -i "^$1==" scripts/constraints.txt | head -1; }
+
+mode=gpu
+case "${1:-}" in
+  "") ;;
+  --cpu) mode=cpu ;;
+  --fetch-wheels)
+    mkdir -p "$wheels"
+    for name in "${carried[@]}"; do
+      # antlr4's runtime is an sdist only: it is built on the GPU machine, offline
+      binary=(--only-binary=:all:)
+      [ "$name" = antlr4-python3-runtime ] && binary=()
+      pip download --quiet --no-deps "${binary[@]}" --python-version 3.12 --platform manylinux_2_28_x86_64 \
+        -d "$wheels" "$(pin "$name")" || { echo "gpu_check.sh: could not fetch $(pin "$name")" >&2; exit 2; }
+    done
+    du -sh "$wheels" >&2
+    exit 0 ;;
+  *) echo "usage: scripts/gpu_check.sh [--cpu | --fetch-wheels]" >&2; exit 2 ;;
+esac
+
+log=$(mktemp -t mtp-overlay-gpu-check-XXXXXX.log)
+rows=()
+failed=0
+# row NAME COMMAND...: runs it (its output appended to the log), records "NAME ok|FAILED N s LAST-LINE"
+row() {
+  local name=$1 began=$SECONDS status out
+  shift
+  echo "gpu_check.sh: $name ..." >&2
+  out=$(mktemp)
+  "$@" >"$out" 2>&1
+  status=$?
+  { echo "===== $name ($*): exit $status"; cat "$out"; } >>"$log"
+  [ $status -eq 0 ] || failed=1
+  rows+=("$(printf '%-24s %-6s %4d s  %s' "$name" "$([ $status -eq 0 ] && echo ok || echo FAILED)" \
+            $((SECONDS - began)) "$(grep -v '^[[:space:]]*$' "$out" | tail -1 | cut -c1-150)")")
+  rm -f "$out"
+}
+
+if [ "$mode" = cpu ]; then
+  bash scripts/setup.sh || exit 1
+  python=.venv/bin/python
+  engine=(--device cpu)
+else
+  python=${PYTHON:-python3}
+  ls "$wheels"/*.whl >/dev/null 2>&1 || { echo "gpu_check.sh: no wheels in $wheels (run --fetch-wheels here first, carry $wheels)" >&2; exit 2; }
+  venv=${TMPDIR:-/tmp}/mtp-overlay-gpu-venv
+  began=$SECONDS
+  echo "gpu_check.sh: a venv over the machine's own torch, with the carried wheels ..." >&2
+  { "$python" -m venv --system-site-packages "$venv" &&
+    "$venv/bin/python" -m pip install --quiet --no-index --no-deps --no-build-isolation "$wheels"/*; } >>"$log" 2>&1 ||
+    { tail -20 "$log" >&2; exit 1; }
+  rows+=("$(printf '%-24s %-6s %4d s  %s' wheels ok $((SECONDS - began)) "$(ls "$wheels" | wc -l) carried into $venv")")
+  python=$venv/bin/python
+  export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+  engine=(--device cuda)
+fi
+export PYTHONWARNINGS=ignore
+
+"$python" -c 'import torch; print("torch", torch.__version__, "cuda", torch.cuda.is_available() and torch.cuda.get_device_name(0))' >>"$log" 2>&1
+machine=$(grep '^torch ' "$log" | tail -1)
+gpu_tests=$(grep -rl --include='test_*.py' 'pytest.mark.gpu' tests | sort)
+# modules that import an upstream not carried (vLLM) cannot be collected on the GPU machine: not errors there
+collect=(--continue-on-collection-errors)
+[ "$mode" = cpu ] && collect=()
+row "GPU-marked tests" "$python" -m pytest -m gpu -q -rA -p no:cacheprovider "${collect[@]}" $gpu_tests
+row "demo" "$python" -m mtp_overlay.cli demo
+row "verify nemotron_h_like" "$python" -m mtp_overlay.cli verify --hf-config tests/verification/configs/nemotron_h_like
+engine_out=$(mktemp -t mtp-overlay-gpu-check-engine-XXXXXX.txt)
+row "hot path" bash -c "'$python' -m mtp_overlay.testing.gpu_check ${engine[*]} > '$engine_out'"
+
+table=$(
+  echo "== scripts/gpu_check.sh ($mode mode) on $(hostname), $(date -u +%Y-%m-%dT%H:%MZ): $machine"
+  printf '%s\n' "${rows[@]}"
+  cat "$engine_out"
+  echo "(every row's whole output: $log)"
+)
+echo "$table"
+[ -n "${OUT:-}" ] && echo "$table" >"$OUT/gpu_check.txt"
+exit $failed
