@@ -19,7 +19,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 wheels=.whl
 # the carried distributions, at the pins of scripts/constraints.txt
-carried=(megatron-core megatron-bridge wrapt omegaconf antlr4-python3-runtime einops pytest pluggy iniconfig
+carried=(megatron-core megatron-bridge wrapt omegaconf antlr4-python3-runtime pyyaml einops pytest pluggy iniconfig
          hypothesis sortedcontainers attrs)
 pin() { grep -i "^$1==" scripts/constraints.txt | head -1; }
 
@@ -29,12 +29,17 @@ case "${1:-}" in
   --cpu) mode=cpu ;;
   --fetch-wheels)
     mkdir -p "$wheels"
+    fetch() {
+      if [ "$name" = antlr4-python3-runtime ]; then  # an sdist only: built here into a pure-Python wheel
+        "${PYTHON:-python3}" -m pip wheel --quiet --no-deps -w "$wheels" "$1" 2>/dev/null
+      else
+        "${PYTHON:-python3}" -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 \
+          --platform manylinux_2_28_x86_64 -d "$wheels" "$1" 2>/dev/null
+      fi
+    }
     for name in "${carried[@]}"; do
-      # antlr4's runtime is an sdist only: it is built on the GPU machine, offline
-      binary=(--only-binary=:all:)
-      [ "$name" = antlr4-python3-runtime ] && binary=()
-      pip download --quiet --no-deps "${binary[@]}" --python-version 3.12 --platform manylinux_2_28_x86_64 \
-        -d "$wheels" "$(pin "$name")" || { echo "gpu_check.sh: could not fetch $(pin "$name")" >&2; exit 2; }
+      # the pin, else the newest this index serves (the test tools' pins can be newer than pip's index)
+      fetch "$(pin "$name")" || fetch "$name" || { echo "gpu_check.sh: could not fetch $name" >&2; exit 2; }
     done
     du -sh "$wheels" >&2
     exit 0 ;;
@@ -70,7 +75,7 @@ else
   began=$SECONDS
   echo "gpu_check.sh: a venv over the machine's own torch, with the carried wheels ..." >&2
   { "$python" -m venv --system-site-packages "$venv" &&
-    "$venv/bin/python" -m pip install --quiet --no-index --no-deps --no-build-isolation "$wheels"/*; } >>"$log" 2>&1 ||
+    "$venv/bin/python" -m pip install --quiet --no-index --no-deps "$wheels"/*.whl; } >>"$log" 2>&1 ||
     { tail -20 "$log" >&2; exit 1; }
   rows+=("$(printf '%-24s %-6s %4d s  %s' wheels ok $((SECONDS - began)) "$(ls "$wheels" | wc -l) carried into $venv")")
   python=$venv/bin/python
