@@ -89,10 +89,12 @@ class MtpLogprobSkipFix(Fix):
         if SWITCH in parameters:
             return redundant(f"{class_name}.forward takes {SWITCH}= (Megatron-LM PR #6119): pass "
                              f"{SWITCH}=False in forwards that cannot train the MTP head")
-        absent = [name for name in RUNS_BLOCK if name not in runs.__code__.co_names]
-        if absent or "inference_context" not in parameters or not callable(getattr(module, PROCESS, None)):
-            return drifted(f"{class_name}.{runner} does not run self.mtp and {PROCESS} the way megatron-core 0.19 "
-                           f"does (missing {absent or ['inference_context' if 'inference_context' not in parameters else PROCESS]})")
+        missing = [f"self.{name}" if name == "mtp" else name for name in RUNS_BLOCK if name not in runs.__code__.co_names]
+        missing += [] if "inference_context" in parameters else ["forward(inference_context=...)"]
+        missing += [] if callable(getattr(module, PROCESS, None)) else [f"{module.__name__}.{PROCESS}"]
+        if missing:
+            return drifted(f"{class_name}.{runner} does not run the MTP block the way megatron-core 0.19 does "
+                           f"(no {', '.join(missing)})")
         return needed(f"{class_name}.{runner} runs the MTP block on every forward outside inference mode, "
                       "grad or no grad")
 
