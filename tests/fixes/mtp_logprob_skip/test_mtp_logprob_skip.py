@@ -8,15 +8,9 @@ One rank runs every case, stock (fix uninstalled) and fixed, on the same weights
 import pytest
 
 from mtp_overlay.testing.launcher import run_ranks_checked
-from mtp_overlay.testing.reproducers import reproduce
 
 FIX = "mtp-logprob-skip"
 MODELS = ("gpt", "zoo")
-
-
-def test_the_stock_path_shows_the_bug():
-    shows, evidence = reproduce(FIX)
-    assert shows, evidence
 
 
 def cases_worker():
@@ -25,11 +19,13 @@ def cases_worker():
 
     import mtp_overlay
     from mtp_overlay import mtp
-    from mtp_overlay.testing.reproducers.mtp_logprob_skip import build, logprob_forward
+    from mtp_overlay.testing.reproducers.mtp_logprob_skip import build, logprob_forward, stock_logprob_forward
     from mtp_overlay.testing.tiny_gpt import make_batch, train_step
 
     batch = make_batch()
     facts = {"status": {row.name: row.state for row in mtp_overlay.status()}[FIX]}
+    mtp_overlay.uninstall(only=[FIX])
+    facts["reproducer"] = stock_logprob_forward()  # what the support matrix's stock run measures
     for name in MODELS:
         model = build(name)
         mtp_overlay.uninstall(only=[FIX])
@@ -80,8 +76,9 @@ def facts():
     return run_ranks_checked(cases_worker, 1, fixes=None)[0]  # every fix, as users run it
 
 
-def test_fix_installs(facts):
+def test_fix_installs_and_the_reproducer_sees_the_stock_path(facts):
     assert facts["status"] == "installed"
+    assert facts["reproducer"] == (True, 2)  # (MTP metric recorded, MTP layer calls)
 
 
 @pytest.mark.parametrize("model", MODELS)
