@@ -49,8 +49,9 @@ def _method(cls: "Any", name: str) -> "Callable[..., Any] | None":
     return None if method is None else original(method)
 
 
-def skipping(forward_model: "Any", inference_context: "Any") -> bool:
-    """Whether this forward of ``forward_model`` skips its MTP block (decided at its entry)."""
+def skipping(forward_model: "Any", inference_context: "Any", inference_mode: "Any") -> bool:
+    """Whether this forward of ``forward_model`` skips its MTP block (decided at its entry).
+    ``inference_mode``: megatron-core's `InferenceMode` as the model module binds it (0.18+), or None."""
     import torch
 
     from ... import mtp
@@ -59,13 +60,7 @@ def skipping(forward_model: "Any", inference_context: "Any") -> bool:
     if run is None:
         run = torch.is_grad_enabled()
     return (not run and getattr(forward_model, "mtp_process", False) and forward_model.post_process
-            and inference_context is None and not _inference_mode())
-
-
-def _inference_mode() -> bool:
-    from megatron.core.inference.utils import InferenceMode
-
-    return InferenceMode.is_active()
+            and inference_context is None and not (inference_mode is not None and inference_mode.is_active()))
 
 
 class MtpLogprobSkipFix(Fix):
@@ -91,7 +86,9 @@ class MtpLogprobSkipFix(Fix):
                              f"{SWITCH}=False in forwards that cannot train the MTP head")
         missing = [f"self.{name}" if name == "mtp" else name for name in RUNS_BLOCK if name not in runs.__code__.co_names]
         missing += [] if "inference_context" in parameters else ["forward(inference_context=...)"]
-        missing += [] if callable(getattr(module, PROCESS, None)) else [f"{module.__name__}.{PROCESS}"]
+        process = getattr(module, PROCESS, None)
+        if not callable(process) or next(iter(inspect.signature(original(process)).parameters), None) != "hidden_states":
+            missing.append(f"{module.__name__}.{PROCESS}(hidden_states, ...)")
         if missing:
             return drifted(f"{class_name}.{runner} does not run the MTP block the way megatron-core 0.19 does "
                            f"(no {', '.join(missing)})")
@@ -113,12 +110,13 @@ class MtpLogprobSkipFix(Fix):
             return
         cls = defined_in(module, [MODELS[self.role_of(module)][0]])
         at = positions(cls.forward, method=True)
+        inference_mode = getattr(module, "InferenceMode", None)
 
         def model_forward(wrapped: "Callable[..., Any]", instance: "Any", args: "tuple[Any, ...]",
                           kwargs: "dict[str, Any]") -> "Any":
             context = argument(args, kwargs, at.get("inference_context"), "inference_context", None)
             context = context if context is not None else kwargs.get("inference_params")
-            token = _skipped.set(instance.mtp if skipping(instance, context) else None)
+            token = _skipped.set(instance.mtp if skipping(instance, context, inference_mode) else None)
             try:
                 return wrapped(*args, **kwargs)
             finally:
