@@ -84,11 +84,11 @@ class MtpLogprobSkipFix(Fix):
         if SWITCH in parameters:
             return redundant(f"{class_name}.forward takes {SWITCH}= (Megatron-LM PR #6119): pass "
                              f"{SWITCH}=False in forwards that cannot train the MTP head")
-        missing = [f"self.{name}" if name == "mtp" else name for name in RUNS_BLOCK if name not in runs.__code__.co_names]
+        missing = [name for name in RUNS_BLOCK if name not in runs.__code__.co_names]
         missing += [] if "inference_context" in parameters else ["forward(inference_context=...)"]
         process = getattr(module, PROCESS, None)
-        if not callable(process) or next(iter(inspect.signature(original(process)).parameters), None) != "hidden_states":
-            missing.append(f"{module.__name__}.{PROCESS}(hidden_states, ...)")
+        first = next(iter(inspect.signature(original(process)).parameters), None) if callable(process) else None
+        missing += [] if first == "hidden_states" else [f"{module.__name__}.{PROCESS}(hidden_states, ...)"]
         if missing:
             return drifted(f"{class_name}.{runner} does not run the MTP block the way megatron-core 0.19 does "
                            f"(no {', '.join(missing)})")

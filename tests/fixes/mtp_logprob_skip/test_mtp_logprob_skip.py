@@ -49,7 +49,8 @@ def cases_worker():
             "grads_equal": stock["grads"].keys() == fixed["grads"].keys()
             and all(torch.equal(stock["grads"][k], fixed["grads"][k]) for k in stock["grads"]),
             "mtp_grads": sum(k.startswith("mtp.") for k in fixed["grads"]),
-            "spec_equal": len(fixed["spec"]) == 2 and all(torch.equal(a, b) for a, b in zip(stock["spec"], fixed["spec"])),
+            "spec_equal": len(fixed["spec"]) == 2
+            and all(torch.equal(a, b) for a, b in zip(stock["spec"], fixed["spec"])),
         }
     return facts
 
