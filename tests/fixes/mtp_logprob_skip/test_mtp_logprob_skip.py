@@ -99,3 +99,16 @@ def test_training_forward_and_speculative_decoding_unchanged(facts, model):
     assert found["train_equal"] and found["grads_equal"], found
     assert len(found["train_mtp_losses"]) == 2 and found["mtp_grads"] > 0, found  # MTP trained, both depths
     assert found["spec_equal"], found
+
+
+def test_mtp_block_scope_takes_a_bool_and_restores_the_outer_word():
+    from mtp_overlay.mtp import mtp_block_scope, scoped_mtp_block
+
+    with pytest.raises(TypeError, match=r"mtp_block_scope\(run=\.\.\.\) must be a bool, got 0"):
+        with mtp_block_scope(0):
+            pass
+    with mtp_block_scope(run=False):
+        with mtp_block_scope(run=True):
+            assert scoped_mtp_block() is True
+        assert scoped_mtp_block() is False
+    assert scoped_mtp_block() is None
