@@ -37,6 +37,11 @@ FIXES = (
         "megatron.core.models.gpt.gpt_model",
         "megatron.core.models.hybrid.hybrid_model",
     )),
+    ("mtp-logprob-skip", (
+        "megatron.core.transformer.multi_token_prediction",
+        "megatron.core.models.gpt.gpt_model",
+        "megatron.core.models.hybrid.hybrid_model",
+    )),
     ("mtp-sp-scatter", (
         "megatron.core.transformer.multi_token_prediction",
     )),

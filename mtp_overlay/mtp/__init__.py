@@ -63,6 +63,12 @@ Layout (``layout``)
         Whether every weighted packed sequence is 0 on its last real token (real boundaries known).
     checks.mode() -> "default" | "full" (``MTP_OVERLAY_CHECKS``): how the hooks check (module doc).
 
+MTP block (``block``)
+    mtp_block_scope(run)  (context manager, contextvars) With ``import mtp_overlay`` (fix
+        ``mtp-logprob-skip``) GPTModel/HybridModel forwards under ``torch.no_grad()`` skip their MTP
+        block (logits bit-identical, no MTP metric recorded); ``run=False`` skips it with grad
+        enabled too, ``run=True`` runs it under no_grad (the opt-out). scoped_mtp_block() -> bool | None.
+
 Gradient scale (``scaling``)
     mtp_grad_scale(model_or_config, token_mask, sample_mask, group=None)  (context manager)
         Sets ``config.mtp_grad_scale_func`` to ``1/max(global_valid_tokens, 1)`` for the block and
@@ -124,6 +130,7 @@ Refit freshness (trainer -> vLLM drafter)::
 """
 
 from . import checks
+from .block import mtp_block_scope, scoped_mtp_block
 from .config import MTP_CONFIG_KEYS, apply_mtp_config
 from .layout import (
     ALIGNMENTS,
@@ -208,4 +215,6 @@ __all__ = [
     "unwrap_model",
     "unwrap_output",
     "with_prefix",
+    "mtp_block_scope",
+    "scoped_mtp_block",
 ]

@@ -100,16 +100,20 @@ BUILT_WITH = (MTP_MOE_ROUTER,)
 
 # modules of multimodal wrappers around a language model (LLaVAModel, MimoModel): no parity model is one
 MULTIMODAL_WRAPPERS = ("megatron.core.models.multimodal.", "megatron.core.models.mimo.")
+# fixes that act only in forwards that cannot train (no grad): a training step is bit-identical with
+# them on and off (tests/fixes/mtp_logprob_skip/ proves it with every fix installed)
+OUTSIDE_TRAINING = ("mtp-logprob-skip",)
 
 
 def megatron_core_fixes():
     """The overlay's megatron-core fixes of the language model's path: every fix whose targets are
     megatron-core modules, but those that target multimodal wrappers only (mtp-multimodal), which
-    change nothing for the parity models (tests/fixes/mtp_multimodal/ measures that fix)."""
+    change nothing for the parity models (tests/fixes/mtp_multimodal/ measures that fix), and those
+    `OUTSIDE_TRAINING`, which change nothing in a training step."""
     from .. import registry
 
     return tuple(name for name, targets in registry.FIXES if all(t.startswith("megatron.core") for t in targets)
-                 and not all(t.startswith(MULTIMODAL_WRAPPERS) for t in targets))
+                 and not all(t.startswith(MULTIMODAL_WRAPPERS) for t in targets) and name not in OUTSIDE_TRAINING)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -261,7 +261,7 @@ def test_a_fresh_interpreter_installs_exactly_the_fixes_asked_for(interpreter):
     if interpreter == "forked":
         # the switch leaves out mtp-loss-mask; mtp-moe-router installs on hybrid_model's HybridStack import
         assert set(found["None"]["installed"]) == {"mtp-sp-scatter", "mtp-packed-roll", "mtp-cp-loss-scale",
-                                                   "mtp-moe-router"}
+                                                   "mtp-moe-router", "mtp-logprob-skip"}
 
 
 def test_fixes_must_be_a_list_of_known_fix_ids():
