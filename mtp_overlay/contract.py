@@ -302,12 +302,6 @@ class StockRun:
         return f"StockRun({self.outcome!r}, {self.evidence!r})"
 
 
-# how `check()` reached a target's verdict: the probe ran on the imported module; the module does not
-# import on this machine (a package it needs is missing: Megatron-Bridge without Transformer Engine) and
-# its installed source was read instead; or its import failed otherwise (`State.UNSUPPORTED`)
-PROBED = ("imported", "source", "import failed")
-
-
 class FixStatus:
     """One row of `status()` / `check()`: the fix, its upstream, and where it stands.
 
@@ -316,8 +310,11 @@ class FixStatus:
     patch on disk (True, False; None: not asked, or no patch fits this install); ``run``: the
     `StockRun` of `check(stock_run=...)`, None otherwise; ``details``: what an installed fix reports of
     its work in this process (`mtp_overlay.fixes.Fix.details`, JSON-able; {} for most). `check()` rows
-    only: ``probed``, how the verdict was reached (`PROBED`), and ``targets``, one dict per target module
-    (``module``, ``verdict``, ``probed``, ``reason``; ``verdict`` None for a module the release lacks).
+    only: ``probed``, how the deciding target's verdict was reached ("imported": the probe ran on the
+    module; "source": the module does not import on this machine, a package it needs is missing, and
+    its installed source was read; "import failed": `State.UNSUPPORTED`), and ``targets``, one dict
+    per target module (``module``, ``verdict``, ``probed``, ``reason``; ``verdict`` None for a module
+    the release lacks).
     """
 
     __slots__ = (

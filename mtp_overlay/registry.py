@@ -240,7 +240,7 @@ def check(only: "str | Iterable[str] | None" = None, *,
     Engine) is read from its installed source instead (`mtp_overlay.patching.survey.source_verdict`);
     one whose import fails otherwise, or whose file cannot be read or parsed, is ``unsupported``. A
     target module missing from the installed release is skipped; all missing is drift. ``probed``
-    says how the verdict was reached (`contract.PROBED`), ``targets`` each target's verdict; the
+    says how the verdict was reached (`contract.FixStatus`), ``targets`` each target's verdict; the
     ``reason`` is the deciding target's, once.
 
     A module whose import failed once fails the same way for the rest of the call, whatever imports
@@ -274,7 +274,8 @@ def check(only: "str | Iterable[str] | None" = None, *,
                 probes = [_probe_target(found, target, imports) for target in found.targets]
                 verdicts = [probe for probe in probes if probe[1] is not None]
                 if not verdicts:
-                    verdicts.append((", ".join(found.targets), drifted("no target module exists in this release"), None))
+                    missing = drifted("no target module exists in this release")
+                    verdicts.append((", ".join(found.targets), missing, None))
                 verdict = next(s for s in State.VERDICT_PRIORITY if any(v.state == s for _, v, _ in verdicts))
                 deciding = [(target, v, how) for target, v, how in verdicts if v.state == verdict]
                 target, first, probed = deciding[0]
@@ -284,7 +285,8 @@ def check(only: "str | Iterable[str] | None" = None, *,
                 row = FixStatus(declaration, version, state, reason, verdict=verdict)
                 row.probed = probed
                 row.targets = [{"module": target, "verdict": None if v is None else v.state, "probed": how,
-                                "reason": "not in this release" if v is None else v.reason} for target, v, how in probes]
+                                "reason": "not in this release" if v is None else v.reason}
+                               for target, v, how in probes]
             if stock_run is not None:
                 row.run = _stock_run(row, stock_run)
                 if row.run.outcome is not None and row.run.outcome != row.verdict:
@@ -299,8 +301,8 @@ def check(only: "str | Iterable[str] | None" = None, *,
 
 def _probe_target(found: "Lifecycle", target: str,
                   imports: "_FailingOnce") -> "tuple[str, Verdict | None, str | None]":
-    """(target, its Verdict, how it was reached: `contract.PROBED`); the Verdict is None for a
-    module the release lacks."""
+    """(target, its Verdict, how it was reached: "imported", "source" or "import failed"); the Verdict
+    and how are None for a module the release lacks."""
     from .contract import State, Verdict
     from .lifecycle import judge
 
@@ -318,7 +320,8 @@ def _probe_target(found: "Lifecycle", target: str,
         verdict = source_verdict(found.declaration, target)
         if verdict is None:
             return target, None, None
-        return target, Verdict(verdict.state, f"does not import here ({why}); read from source: {verdict.reason}"), "source"
+        read = f"does not import here ({why}); read from source: {verdict.reason}"
+        return target, Verdict(verdict.state, read), "source"
     return target, judge(found.fix, module), "imported"
 
 

@@ -186,7 +186,7 @@ def source_verdict(fix, module, manifest=None):
         return Verdict(State.UNSUPPORTED, f"cannot read {path}: {type(exc).__name__}: {exc}")
     if not fix.families:
         if marker_on_disk(fix, installed.root):
-            return redundant(f"{fix.marker}")
+            return redundant(str(fix.marker))
         return Verdict(State.UNSUPPORTED, f"{fix.name} has no source patch and no marker to read {path} by")
     try:
         report = survey(fix, manifest or load(), verify=False)

@@ -300,7 +300,8 @@ def test_check_lists_the_bridge_fixes_as_needed_on_the_pinned_bridge():
         assert {row["probed"] for row in rows.values()} == {"source"}
         for row in rows.values():
             assert re.search(r"does not import here \(ModuleNotFoundError: No module named '(transformer_engine|"
-                             r"modelopt)'\); read from source: the files are megatron-bridge [\d.]+ as released", row["reason"])
+                             r"modelopt)'\); read from source: the files are megatron-bridge [\d.]+ as released",
+                             row["reason"])
     else:
         assert {row["probed"] for row in rows.values()} == {"imported"}
     code, rows = check("--run")

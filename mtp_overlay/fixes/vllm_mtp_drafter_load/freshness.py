@@ -22,8 +22,9 @@ When the target is ahead, the next target session start (``Worker.start_weight_u
 ``GPUModelRunner.execute_model`` after the refit says so, once per stale interval (strict mode:
 OverlayError, raised before vLLM's method runs, at every start and step until the drafter is
 refreshed). A target refit that raises after vLLM's layerwise reload of the target began (a session
-whose ``update_weights`` meets one wrong-shaped tensor) has changed the target: it counts. The step's own cost is one test of a module-level
-integer (`_due`, nonzero only while a warning is owed); no device work, no lookup. An engine that
+whose ``update_weights`` meets one wrong-shaped tensor) has changed the target: it counts. The step's
+own cost is one test of a module-level integer (`_due`, nonzero only while a report is owed); no
+device work, no lookup. An engine that
 cannot update the drafter is named at the first refit through it (a notice: a trainer may refresh
 the drafter another way). vLLM 0.25.1 has no draft sessions: the report says to load the drafter.
 
