@@ -20,21 +20,25 @@ if TYPE_CHECKING:
     from .contract import FixStatus
 
 STATUS_COLUMNS = ["name", "distribution", "version", "state", "patched", "reason"]
-CHECK_COLUMNS = ["name", "distribution", "version", "verdict", "patched", "reason"]
+CHECK_COLUMNS = ["name", "distribution", "version", "verdict", "probed", "patched", "reason"]
 
 
-def print_table(rows: "list[dict[str, object]]", columns: "list[str]") -> None:
+def print_table(rows: "list[dict[str, object]]", columns: "list[str]", verbose: bool = False) -> None:
+    """One line per row; ``verbose``: then one indented line per target module of a `check` row."""
     widths = [max(len(str(row.get(c, ""))) for row in rows + [{c: c for c in columns}]) for c in columns]
     print("  ".join(c.upper().ljust(w) for c, w in zip(columns, widths)).rstrip())
     for row in rows:
         print("  ".join(str(row.get(c, "")).ljust(w) for c, w in zip(columns, widths)).rstrip())
+        for target in row.get("targets", ()) if verbose else ():
+            print(f"    {target['module']}: {target['verdict'] or 'missing'} ({target['probed'] or 'not found'}): "
+                  f"{target['reason']}")
 
 
 def _rows(rows: "list[FixStatus]", args: argparse.Namespace, columns: "list[str]") -> None:
     if args.json:
         print(json.dumps([row.as_dict() for row in rows], indent=2))
     else:
-        print_table([{**row.as_dict(), "run": str(row.run)} for row in rows], columns)
+        print_table([{**row.as_dict(), "run": str(row.run)} for row in rows], columns, getattr(args, "verbose", False))
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -198,6 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--json", action="store_true")
     check.add_argument("--only", action="append", metavar="FIX", help="this fix only (repeatable)")
     check.add_argument("--fail-on-redundant", action="store_true", help="exit 1 when a fix is already upstream")
+    check.add_argument("-v", "--verbose", action="store_true", help="each target module's verdict under its fix")
     check.add_argument("--run", action="store_true", dest="run_stock",
                        help="also run each fix's stock code path (test bed) and report a disagreement with the probe; "
                        "the targets then import as in the test bed (Bridge's missing optional packages stood in)")

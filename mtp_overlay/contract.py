@@ -309,12 +309,17 @@ class FixStatus:
     in the installed upstream (`State.VERDICTS`), None in `status()` rows; ``patched``: its source
     patch on disk (True, False; None: not asked, or no patch fits this install); ``run``: the
     `StockRun` of `check(stock_run=...)`, None otherwise; ``details``: what an installed fix reports of
-    its work in this process (`mtp_overlay.fixes.Fix.details`, JSON-able; {} for most).
+    its work in this process (`mtp_overlay.fixes.Fix.details`, JSON-able; {} for most). `check()` rows
+    only: ``probed``, how the deciding target's verdict was reached ("imported": the probe ran on the
+    module; "source": the module does not import on this machine, a package it needs is missing, and
+    its installed source was read; "import failed": `State.UNSUPPORTED`), and ``targets``, one dict
+    per target module (``module``, ``verdict``, ``probed``, ``reason``; ``verdict`` None for a module
+    the release lacks).
     """
 
     __slots__ = (
-        "name", "summary", "distribution", "version", "state", "verdict", "reason", "late", "patched", "provenance",
-        "run", "details",
+        "name", "summary", "distribution", "version", "state", "verdict", "probed", "reason", "late", "patched",
+        "provenance", "run", "details", "targets",
     )
 
     def __init__(self, declaration: Declaration, version: "str | None", state: str, reason: str, late: bool = False,
@@ -325,6 +330,8 @@ class FixStatus:
         self.provenance = declaration.provenance.as_dict()
         self.run: "StockRun | None" = None
         self.details: "dict[str, object]" = {}
+        self.probed: "str | None" = None
+        self.targets: "list[dict[str, str | None]]" = []
 
     def as_dict(self) -> "dict[str, object]":
         row = {name: getattr(self, name) for name in self.__slots__}

@@ -2,9 +2,10 @@
 
 `mtp_overlay.table` (ids, target modules, requirements) is all that ``import mtp_overlay`` reads. A
 fix's code (``mtp_overlay/fixes/<fix id>/``) and the lifecycle machinery load only when one of its
-targets is imported, or when `status()` / `check()` ask about it. What is on disk (source patches)
+targets is imported, or when `status()` / `check()` ask about it. Whether a source patch is on disk
 and what the stock code does when run are handed in by the caller (`status(patched=...)`,
-`check(stock_run=...)`): the registry reads neither the patch engine nor the test bed.
+`check(stock_run=...)`): the registry never reads the test bed, and the patch engine only where
+`check()` reads the installed source of a target that cannot import here.
 """
 
 import os
@@ -16,7 +17,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Iterable
     from types import ModuleType
 
-    from .contract import Declaration, FixStatus, StockRun
+    from .contract import Declaration, FixStatus, StockRun, Verdict
     from .fixes import Fix
     from .lifecycle import Lifecycle
 
@@ -234,8 +235,18 @@ def check(only: "str | Iterable[str] | None" = None, *,
     """Probe every fix against the installed upstream code (imports its targets): the CI question.
 
     One FixStatus per fix with its ``verdict`` (`State.VERDICTS`): needed / redundant / drifted /
-    failed, ``absent`` without the distribution, ``unsupported`` when a target does not import on
-    this stack. A target module missing from the installed release is skipped; all missing is drift.
+    failed, ``absent`` without the distribution. A target that does not import on this machine
+    because a package it needs is missing (an ImportError: Megatron-Bridge without Transformer
+    Engine) is read from its installed source instead (`mtp_overlay.patching.survey.source_verdict`);
+    one whose import fails otherwise, or whose file cannot be read or parsed, is ``unsupported``. A
+    target module missing from the installed release is skipped; all missing is drift. ``probed``
+    says how the verdict was reached (`contract.FixStatus`), ``targets`` each target's verdict; the
+    ``reason`` is the deciding target's, once.
+
+    A module whose import failed once fails the same way for the rest of the call, whatever imports
+    it later: a release whose first import fails can leave state behind on which a second import
+    "succeeds" half-initialised (megatron-core 0.15.3's torch extension build), and a verdict must not
+    depend on which fixes are checked together.
 
     ``stock_run``: ``fix id -> (bug shows, evidence)``, the fix's stock code path run with the fix
     off (the test bed's `mtp_overlay.testing.reproducers.stock_run`), raising an exception whose
@@ -243,45 +254,104 @@ def check(only: "str | Iterable[str] | None" = None, *,
     redundant is run too; its `StockRun` goes in ``row.run``, and a run that behaves the other way
     than the probe reads makes the verdict `State.DISAGREES` (an upstream fix in another spelling).
     """
-    import importlib
+    import sys
 
-    from .contract import FixStatus, State, StockRun, Verdict, distribution_version, drifted
-    from .lifecycle import judge
+    from .contract import FixStatus, State, distribution_version, drifted
 
     rows = []
-    for name in _select(only):
-        found = lifecycle(name)
-        declaration = found.declaration
-        state = found.state()[0]
-        version = distribution_version(declaration.distribution)
-        if version is None:
-            row = FixStatus(declaration, None, state, f"{declaration.distribution} is not installed", verdict=State.ABSENT)
-        else:
-            verdicts, missing = [], []
-            for target in found.targets:
-                try:
-                    module = importlib.import_module(target)
-                except Exception as exc:
-                    gone = exc.name if isinstance(exc, ModuleNotFoundError) else None
-                    if gone and (target == gone or target.startswith(f"{gone}.")):
-                        missing.append(target)
-                    else:
-                        verdicts.append((target, Verdict(State.UNSUPPORTED, f"import failed: {type(exc).__name__}: {exc}")))
-                    continue
-                verdicts.append((target, judge(found.fix, module)))
-            if not verdicts:
-                verdicts.append((", ".join(missing), drifted("no target module exists in this release")))
-            verdict = next(s for s in State.VERDICT_PRIORITY if any(v.state == s for _, v in verdicts))
-            reason = "; ".join(f"{t}: {v.reason}" if v.reason else t for t, v in verdicts if v.state == verdict)
-            row = FixStatus(declaration, version, state, reason, verdict=verdict)
-        if stock_run is not None:
-            row.run = _stock_run(row, stock_run)
-            if row.run.outcome is not None and row.run.outcome != row.verdict:
-                row.reason = (f"the probe says {row.verdict} ({row.reason}) but the stock run says "
-                              f"{row.run.outcome}: {row.run.evidence}")
-                row.verdict = State.DISAGREES
-        rows.append(row)
+    imports = _FailingOnce()
+    sys.meta_path.insert(0, imports)
+    try:
+        for name in _select(only):
+            found = lifecycle(name)
+            declaration = found.declaration
+            state = found.state()[0]
+            version = distribution_version(declaration.distribution)
+            if version is None:
+                row = FixStatus(declaration, None, state, f"{declaration.distribution} is not installed",
+                                verdict=State.ABSENT)
+            else:
+                probes = [_probe_target(found, target, imports) for target in found.targets]
+                verdicts = [probe for probe in probes if probe[1] is not None]
+                if not verdicts:
+                    missing = drifted("no target module exists in this release")
+                    verdicts.append((", ".join(found.targets), missing, None))
+                verdict = next(s for s in State.VERDICT_PRIORITY if any(v.state == s for _, v, _ in verdicts))
+                deciding = [(target, v, how) for target, v, how in verdicts if v.state == verdict]
+                target, first, probed = deciding[0]
+                reason = f"{target}: {first.reason}" if first.reason else target
+                if len(deciding) > 1:
+                    reason += f" (and {len(deciding) - 1} other target module{'s' if len(deciding) > 2 else ''})"
+                row = FixStatus(declaration, version, state, reason, verdict=verdict)
+                row.probed = probed
+                row.targets = [{"module": target, "verdict": None if v is None else v.state, "probed": how,
+                                "reason": "not in this release" if v is None else v.reason}
+                               for target, v, how in probes]
+            if stock_run is not None:
+                row.run = _stock_run(row, stock_run)
+                if row.run.outcome is not None and row.run.outcome != row.verdict:
+                    row.reason = (f"the probe says {row.verdict} ({row.reason}) but the stock run says "
+                                  f"{row.run.outcome}: {row.run.evidence}")
+                    row.verdict = State.DISAGREES
+            rows.append(row)
+    finally:
+        sys.meta_path.remove(imports)
     return rows
+
+
+def _probe_target(found: "Lifecycle", target: str,
+                  imports: "_FailingOnce") -> "tuple[str, Verdict | None, str | None]":
+    """(target, its Verdict, how it was reached: "imported", "source" or "import failed"); the Verdict
+    and how are None for a module the release lacks."""
+    from .contract import State, Verdict
+    from .lifecycle import judge
+
+    try:
+        module = imports.load(target)
+    except Exception as exc:
+        gone = exc.name if isinstance(exc, ModuleNotFoundError) else None
+        if gone and (target == gone or target.startswith(f"{gone}.")):
+            return target, None, None
+        why = f"{type(exc).__name__}: {exc}"
+        if not isinstance(exc, ImportError):
+            return target, Verdict(State.UNSUPPORTED, f"import failed: {why}"), "import failed"
+        from .patching.survey import source_verdict
+
+        verdict = source_verdict(found.declaration, target)
+        if verdict is None:
+            return target, None, None
+        read = f"does not import here ({why}); read from source: {verdict.reason}"
+        return target, Verdict(verdict.state, read), "source"
+    return target, judge(found.fix, module), "imported"
+
+
+class _FailingOnce:
+    """A meta path finder for the length of a `check`: a module whose import raised once raises the
+    same error again, whatever imports it later; the modules whose import raised are those whose
+    top-level code the error passed through (Python has taken them out of sys.modules)."""
+
+    def __init__(self) -> None:
+        self.failed: "dict[str, Exception]" = {}
+
+    def find_spec(self, name: str, path: object = None, target: object = None) -> None:
+        error = self.failed.get(name)
+        if error is not None:
+            raise error
+
+    def load(self, name: str) -> "ModuleType":
+        import importlib
+        import sys
+        import traceback
+
+        try:
+            return importlib.import_module(name)
+        except Exception as exc:
+            frames = (frame.f_globals.get("__name__") for frame, _ in traceback.walk_tb(exc.__traceback__)
+                      if frame.f_code.co_name == "<module>")
+            for failed in (name, *frames):
+                if isinstance(failed, str) and failed not in sys.modules:
+                    self.failed.setdefault(failed, exc)
+            raise
 
 
 def _stock_run(row: "FixStatus", stock_run: "Callable[[str], tuple[bool, str]]") -> "StockRun":

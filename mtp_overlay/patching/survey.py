@@ -161,6 +161,47 @@ def marker_on_disk(fix, root):
     return data is not None and fix.marker.in_source(data, str(path))
 
 
+def source_verdict(fix, module, manifest=None):
+    """What the installed source says of ``fix``, for `check` where its target ``module`` cannot be
+    imported on this machine (a package it needs is missing): a `Verdict` read from disk, never run;
+    None when the release has no such module.
+
+    The module's file must read and parse (else `State.UNSUPPORTED`); the answer is this survey's:
+    files as a measured release ships them, with the fix's patch fitting, are needed; the patch on
+    disk, or the fix's marker in the source, is redundant; a patch that fits no file is drifted.
+    """
+    from ..contract import Verdict, drifted, needed, redundant
+    from .manifest import load
+
+    installed = find_distribution(fix.distribution)
+    if installed is None:
+        return Verdict(State.ABSENT, f"{fix.distribution} is not installed")
+    base = installed.root / module.replace(".", "/")
+    path = next((found for found in (base.with_suffix(".py"), base / "__init__.py") if found.is_file()), None)
+    if path is None:
+        return None
+    try:
+        compile(path.read_bytes(), str(path), "exec", dont_inherit=True)
+    except (OSError, SyntaxError, ValueError) as exc:
+        return Verdict(State.UNSUPPORTED, f"cannot read {path}: {type(exc).__name__}: {exc}")
+    if not fix.families:
+        if marker_on_disk(fix, installed.root):
+            return redundant(str(fix.marker))
+        return Verdict(State.UNSUPPORTED, f"{fix.name} has no source patch and no marker to read {path} by")
+    try:
+        report = survey(fix, manifest or load(), verify=False)
+    except (ManifestError, PatchError) as exc:
+        return Verdict(State.UNSUPPORTED, f"cannot survey the source: {exc}")
+    name = f"{fix.distribution} {installed.version}"
+    if report.state == State.NEEDED:
+        return needed(f"the files are {name} as released (measured sha256), where {report.patch.name} fits")
+    if report.state == State.APPLIED:
+        return redundant(f"its source patch is on disk ({report.reason})")
+    if report.state == State.MISMATCH:
+        return drifted(report.reason)
+    return Verdict(report.state, report.reason)
+
+
 def patched_on_disk(fix, manifest=None):
     """Whether the installed files of ``fix`` carry its patch (hashes only, nothing run).
 

@@ -285,6 +285,25 @@ def session(worker, stream, draft=False, chunk=None):
     return calls
 
 
+def put_back_after_a_failed_reload(model):
+    """After a refit that raised halfway through vLLM's layerwise reload of ``model`` (its layers left
+    on the meta device, the reload's bookkeeping open), put every layer's own tensors back (a layer
+    the reload finished keeps what it loaded) and close the bookkeeping, as vLLM's
+    ``finalize_layerwise_processing`` does for a layer that loaded nothing: the bed's shared models
+    stay usable for the next test."""
+    from vllm.model_executor.model_loader.reload import layerwise
+
+    for layer in model.modules():
+        info = layerwise.LAYERWISE_INFO.get(layer)
+        if info is not None and info.can_load():
+            if info.kernel_tensors is not None:
+                layerwise._place_kernel_tensors(layer, info)
+            info.reset()
+    if hasattr(model, "_original_do_torchao_reload"):
+        model._do_torchao_reload = model._original_do_torchao_reload
+    layerwise.LOADING_LAYERS.clear()
+
+
 def execute_model_stopped(caller):
     """``caller.execute_model(SchedulerOutput.make_empty())``, ``caller`` a bed Worker or model runner,
     through the class attribute (a wrapper installed on it runs first). A Worker's own

@@ -38,3 +38,17 @@ def test_a_reader_that_leaves_early_is_no_failure(command, buffering):
     err = err.decode()
     assert reader.returncode == code, err[-2000:]
     assert "Traceback" not in err and "BrokenPipeError" not in err and "Exception ignored" not in err, err[-2000:]
+
+
+
+
+def test_check_prints_the_table_alone_on_stdout_and_each_target_module_under_its_fix_with_v():
+    """stdout is the table alone (upstream's import noise goes to stderr): one line per fix, its reason
+    once; ``-v`` adds one line per target module under it."""
+    result = subprocess.run(CLI + ["check", "-v", "--only", "hf-modules-cache"], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    header, row, module = result.stdout.splitlines()
+    assert header.split() == ["NAME", "DISTRIBUTION", "VERSION", "VERDICT", "PROBED", "PATCHED", "REASON"]
+    assert row.split()[:2] + row.split()[3:5] == ["hf-modules-cache", "ray", "needed", "imported"]
+    assert module == f"    ray: needed (imported): {row.split('ray: ', 1)[1]}"

@@ -138,3 +138,58 @@ def test_the_patched_pin_imports_and_every_runtime_hook_stands_down(tmp_path, ca
     assert row["file"].startswith(str(site))
     assert row["status"] == dict.fromkeys(FIXES, "redundant")
     assert row["check"] == dict.fromkeys(FIXES, "redundant") and row["wrapped"] == []
+
+
+SOURCE_CHECKS = """
+import contextlib, io, json
+from pathlib import Path
+from mtp_overlay import registry
+from mtp_overlay.cli import main
+
+names, site, edits = %r, Path(%r), %r
+seen = {}
+
+def check(label):
+    seen[label] = {row.name: [row.verdict, row.probed, row.reason] for row in registry.check(names)}
+
+check("stock")
+with contextlib.redirect_stdout(io.StringIO()):
+    assert main(["patch", "apply", "--site-packages", str(site), *["--only=" + name for name in names]]) == 0
+check("patched")
+with contextlib.redirect_stdout(io.StringIO()):
+    assert main(["patch", "revert", "--site-packages", str(site), *["--only=" + name for name in names]]) == 0
+for file, text in edits.items():
+    with open(site / file, "a") as handle:
+        handle.write(text)
+check("edited")
+print(json.dumps(seen))
+"""
+
+
+@pytest.mark.slow
+def test_check_reads_the_source_of_a_bridge_that_cannot_import_here(tmp_path):
+    """Without Transformer Engine Bridge's targets do not import: `check` answers from the installed
+    files (~15 s here): as released, needed; patched on disk, redundant; a local edit the patch no longer
+    fits, drifted; a file that does not parse, unsupported. Each row says it read the source, and why."""
+    import importlib.util
+
+    if importlib.util.find_spec("transformer_engine") is not None:
+        pytest.skip("Transformer Engine is installed: Bridge's targets import, nothing is read from source")
+    site = bridge_copy(MEGATRON_BRIDGE, tmp_path / "site")
+    [edited] = files_of("bridge-mtp-off")
+    [broken] = files_of("bridge-mtp-export")
+    edits = {edited: "# a local edit\n", broken: "def (\n"}
+    seen = run_json(site, SOURCE_CHECKS % (list(FIXES), str(site), edits), env={**os.environ, "PYTHONPATH": str(ROOT)},
+                    timeout=900)
+    assert {label: {name: row[:2] for name, row in rows.items()} for label, rows in seen.items()} == {
+        "stock": dict.fromkeys(FIXES, ["needed", "source"]),
+        "patched": dict.fromkeys(FIXES, ["redundant", "source"]),
+        "edited": {"bridge-sft-mtp-mask": ["needed", "source"], "bridge-mtp-off": ["drifted", "source"],
+                   "bridge-mtp-export": ["unsupported", "source"]},
+    }
+    for label, rows in seen.items():
+        for name, (_, _, reason) in rows.items():
+            assert "does not import here (ModuleNotFoundError: No module named '" in reason, (label, name, reason)
+    assert "its source patch is on disk" in seen["patched"]["bridge-mtp-off"][2]
+    assert f"{edited}: expected sha256" in seen["edited"]["bridge-mtp-off"][2]
+    assert f"cannot read {site / broken}: SyntaxError" in seen["edited"]["bridge-mtp-export"][2]

@@ -10,8 +10,8 @@ megatron-core's ``HybridModel.forward`` asserts ``mtp_num_layers > 0`` at the fi
 (``models/hybrid/hybrid_model.py:555``). A pattern that already carries ``/`` sections (given
 unified, or finalized before) keeps them at 0 whatever the flag.
 
-The wrapper, only at exactly ``mtp_num_layers == 0`` (``None`` still means "as the pattern says",
-one copy of the shared layer: PR #2867's intent): the MTP sections are cut from
+The wrapper, only where ``mtp_num_layers`` is a numeric zero (0, 0.0, False; ``None`` still means
+"as the pattern says", one copy of the shared layer: PR #2867's intent): the MTP sections are cut from
 ``hybrid_layer_pattern`` (and the deprecated ``hybrid_override_pattern``) and the stock finalize runs
 with no MTP pattern to append; the provider's ``mtp_hybrid_override_pattern`` is put back after, so
 the provider still says which MTP layer the checkpoint has. Subclasses whose ``finalize`` calls
@@ -51,9 +51,12 @@ def _separator(module: "ModuleType") -> "str | None":
 
 
 def mtp_off(provider: "Any") -> bool:
-    """Exactly ``mtp_num_layers == 0`` (an int: None means "as the pattern says")."""
+    """``mtp_num_layers`` is a numeric zero (0, 0.0, False, a NumPy zero: YAML and CLI overrides bring
+    any of them; Bridge's own ``mtp_num_layers or 0`` treats each as 0); None means "as the pattern says"."""
+    import numbers
+
     value = getattr(provider, "mtp_num_layers", None)
-    return isinstance(value, int) and value == 0
+    return isinstance(value, numbers.Number) and value == 0
 
 
 def _probe_provider(cls: "Any") -> "Any":

@@ -4,8 +4,8 @@ from mtp_overlay.contract import Declaration, Provenance
 
 DECLARATION = Declaration(
     "bridge-mtp-off",
-    summary="Build no MTP section when a HybridModelProvider's mtp_num_layers is exactly 0 (None keeps the one "
-    "shared layer).",
+    summary="Build no MTP section when a HybridModelProvider's mtp_num_layers is a numeric zero (0, 0.0, False; "
+    "None keeps the one shared layer).",
     symptom="`mtp_num_layers: 0` on a repeated-layer NemotronH (Bridge's import of an MTP checkpoint) still builds "
     "the MTP block: the first training step raises `AssertionError` in `HybridModel.forward`",
     distribution="megatron-bridge",

@@ -220,6 +220,8 @@ class VllmMtpDrafterLoadFix(Fix):
             worker = vars(module)["Worker"]
             for name, wrapper in WORKER.items():
                 yield worker, name, wrapper
+            if "update_weights" in vars(worker):  # a target session raising halfway counts; the probe needs it not
+                yield worker, "update_weights", freshness.on_update_weights
         elif role in RUNNERS:
             runner = vars(module)["GPUModelRunner"]
             for name, wrapper in RUNNER.items():

@@ -12,7 +12,7 @@ ends when a call carries a name an earlier call of it carried (the trainer's nex
 import re
 
 from ...calls import argument, with_argument
-from .freshness import drafter_refreshed, target_reloaded
+from .freshness import drafter_refreshed, target_reload_began, target_reloaded
 from .tables import is_drafter, lock, say, table
 
 TYPE_CHECKING = False
@@ -361,11 +361,14 @@ def _model_argument(args: "tuple[Any, ...]", kwargs: "dict[str, Any]") -> "Any":
 
 
 def begin_on_reload(wrapped, instance, args, kwargs):
-    """vLLM's ``initialize_layerwise_reload``: a drafter's refit begins."""
+    """vLLM's ``initialize_layerwise_reload``: a drafter's refit begins, or a target's weights start
+    being replaced (`freshness.target_reload_began`)."""
     result = wrapped(*args, **kwargs)
     model = _model_argument(args, kwargs)
     if is_drafter(model):
         begin_refit(model, "vLLM layerwise reload")
+    elif model is not None:
+        target_reload_began(model)
     return result
 
 

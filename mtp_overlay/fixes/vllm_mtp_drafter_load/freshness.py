@@ -20,8 +20,11 @@ accounting's refit end, or a call outside any boundary) that loaded any of its p
 
 When the target is ahead, the next target session start (``Worker.start_weight_update``) or the first
 ``GPUModelRunner.execute_model`` after the refit says so, once per stale interval (strict mode:
-OverlayError, raised before vLLM's method runs). The step's own cost is one test of a module-level
-integer (`_due`, nonzero only while a warning is owed); no device work, no lookup. An engine that
+OverlayError, raised before vLLM's method runs, at every start and step until the drafter is
+refreshed). A target refit that raises after vLLM's layerwise reload of the target began (a session
+whose ``update_weights`` meets one wrong-shaped tensor) has changed the target: it counts. The step's
+own cost is one test of a module-level integer (`_due`, nonzero only while a report is owed); no
+device work, no lookup. An engine that
 cannot update the drafter is named at the first refit through it (a notice: a trainer may refresh
 the drafter another way). vLLM 0.25.1 has no draft sessions: the report says to load the drafter.
 
@@ -30,7 +33,7 @@ target met only through a layerwise reload is paired with the drafter that share
 embedding by identity (vLLM's ``load_eagle_model`` shares them).
 """
 
-from .tables import is_drafter, lock, notice, say, table
+from .tables import is_drafter, life, lock, notice, say, table
 
 _due = 0  # how many drafters owe a staleness report: the only thing a step reads
 
@@ -40,13 +43,13 @@ class Freshness:
     drafter was last refreshed, whether a report is owed for the stale interval, the open target refit
     boundaries, how the last target refit came, and what the worker's engine can do for the drafter."""
 
-    __slots__ = ("drafter", "target", "refits", "refreshed_at", "due", "depth", "last", "engine", "sessions", "told",
-                 "__weakref__")
+    __slots__ = ("drafter", "target", "refits", "refreshed_at", "due", "depth", "reloading", "last", "engine",
+                 "sessions", "told", "__weakref__")
 
     def __init__(self, drafter):
         self.drafter, self.target = type(drafter).__name__, None  # class names: the tables hold the models weakly
         self.refits = self.refreshed_at = self.depth = 0
-        self.due = False
+        self.due = self.reloading = False  # reloading: vLLM's layerwise reload of the target began, uncounted
         self.last = None
         self.engine = None
         self.sessions = None  # "draft": the engine can; "engine cannot"; "none": the release has no draft sessions
@@ -134,6 +137,7 @@ def target_refitted(record, via):
     global _due
     with lock:
         record.refits += 1
+        record.reloading = False
         record.last = f"#{record.refits}, {via}"
         if record.behind == 1 and not record.due:
             record.due = True
@@ -154,6 +158,14 @@ def drafter_refreshed(drafter):
             _due -= 1
 
 
+def target_reload_began(model):
+    """vLLM's layerwise reload of ``model`` began: from here the target's weights are being replaced (its
+    layers sit on the meta device until each is loaded), so a refit that raises later has changed it."""
+    record = of_target(model)
+    if record is not None:
+        record.reloading = True
+
+
 def target_reloaded(model):
     """vLLM's layerwise reload of ``model`` finished: a target refit unless a Worker / runner boundary
     around it counts it (or ``model`` drafts for nothing the fix knows)."""
@@ -171,6 +183,9 @@ def _boundary(record, via, wrapped, args, kwargs):
     except BaseException:
         with lock:
             record.depth -= 1
+            changed = record.depth == 0 and record.reloading
+        if changed:
+            target_refitted(record, f"{via}, which raised after vLLM began replacing the target's weights")
         raise
     with lock:
         record.depth -= 1
@@ -182,13 +197,16 @@ def _boundary(record, via, wrapped, args, kwargs):
 
 # --- what is said ----------------------------------------------------------------------------------
 def check(record, where):
-    """Report a stale drafter if a report is owed (once per stale interval)."""
+    """Report a stale drafter if a report is owed: a warning once per stale interval; in strict mode an
+    OverlayError at every target session start and step until the drafter is refreshed (a retry must
+    not get past it)."""
     global _due
     with lock:
         if not record.due:
             return
-        record.due = False
-        _due -= 1
+        if not life().strict:
+            record.due = False
+            _due -= 1
     say(stale_message(record, where), stacklevel=5)
 
 
@@ -264,6 +282,20 @@ def on_session_finish(wrapped, instance, args, kwargs):
         return wrapped(*args, **kwargs)
     _engine(record, instance)
     return _boundary(record, f"Worker.finish_weight_update ({record.engine})", wrapped, args, kwargs)
+
+
+def on_update_weights(wrapped, instance, args, kwargs):
+    """``Worker.update_weights``: a target session that raises here (one wrong-shaped tensor) ends
+    there, vLLM's layerwise reload of the target begun and never finished: a target refit, since the
+    target's weights were being replaced."""
+    try:
+        return wrapped(*args, **kwargs)
+    except BaseException:
+        record = _worker_record(instance)
+        if record is not None and record.reloading and record.depth == 0:
+            target_refitted(record, f"Worker.update_weights ({record.engine}), which raised after vLLM began "
+                                    "replacing the target's weights")
+        raise
 
 
 def on_reload_weights(wrapped, instance, args, kwargs):

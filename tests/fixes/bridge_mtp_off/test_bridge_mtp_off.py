@@ -4,7 +4,7 @@ trains through Bridge's own step; stock's first step raises. ``None`` keeps its 
 One TP1 rank run (shared pool; ~35 s here), fix off and on: Bridge's import of a tiny NemotronH with
 one MTP layer (`bridge_step.mtp_off_cases`: finalized, built, one step of Bridge's ``forward_step``
 with megatron-core's optimizer), the Omni provider's finalize (it calls ``super().finalize()``), and
-tiny providers finalized from each way a pattern can arrive.
+tiny providers finalized from each way a pattern can arrive and each numeric zero a recipe can bring.
 """
 
 import pytest
@@ -22,6 +22,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(not bridge_installed(), reaso
 PROVIDERS = {
     "repeated, 0": (dict(hybrid_layer_pattern=MAIN, mtp_hybrid_override_pattern=MTP, mtp_use_repeated_layer=True,
                          mtp_num_layers=0), (WITH_MTP, 0), (MAIN, 0)),
+    "repeated, 0.0": (dict(hybrid_layer_pattern=MAIN, mtp_hybrid_override_pattern=MTP, mtp_use_repeated_layer=True,
+                           mtp_num_layers=0.0), (WITH_MTP, 0), (MAIN, 0)),
+    "repeated, False": (dict(hybrid_layer_pattern=MAIN, mtp_hybrid_override_pattern=MTP, mtp_use_repeated_layer=True,
+                             mtp_num_layers=False), (WITH_MTP, 0), (MAIN, 0)),
     "repeated, None": (dict(hybrid_layer_pattern=MAIN, mtp_hybrid_override_pattern=MTP, mtp_use_repeated_layer=True,
                             mtp_num_layers=None), (WITH_MTP, 1), (WITH_MTP, 1)),
     "repeated, 2": (dict(hybrid_layer_pattern=MAIN, mtp_hybrid_override_pattern=MTP, mtp_use_repeated_layer=True,
@@ -97,7 +101,7 @@ def test_the_omni_provider_goes_through_the_same_finalize(tp1):
 
 
 @pytest.mark.parametrize("name", list(PROVIDERS))
-def test_every_way_a_pattern_arrives_finalizes_without_mtp_only_at_exactly_0(tp1, name):
+def test_every_way_a_pattern_arrives_finalizes_without_mtp_only_at_a_numeric_zero(tp1, name):
     fields, stock, fixed = PROVIDERS[name]
     mtp_field = fields.get("mtp_hybrid_override_pattern")
     assert tp1[()]["providers"][name] == [(*stock, mtp_field)] * 2

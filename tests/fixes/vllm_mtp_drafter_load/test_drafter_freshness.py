@@ -22,7 +22,15 @@ from mtp_overlay import OverlayError, OverlayWarning
 from mtp_overlay.fixes.vllm_mtp_drafter_load import FIX, freshness, refits_behind
 from mtp_overlay.mtp import rollout_mtp_metrics
 from mtp_overlay.testing.releases import edited_module
-from mtp_overlay.testing.vllm_worker import ENGINES, RUNNERS, SEQUENCES, run_step, session, worker_environment
+from mtp_overlay.testing.vllm_worker import (
+    ENGINES,
+    RUNNERS,
+    SEQUENCES,
+    put_back_after_a_failed_reload,
+    run_step,
+    session,
+    worker_environment,
+)
 
 NAME = "vllm-mtp-drafter-load"
 REFRESH = "load_weights mtp.*"  # the drafter's own load of its head: fresh against every target refit so far
@@ -114,17 +122,50 @@ def test_target_target_warns_once_naming_the_stale_drafter(bed, overlay, runner)
 
 
 @pytest.mark.parametrize("runner", RUNNERS)
-def test_strict_mode_refuses_the_next_target_session_before_vllm_starts_it(bed, overlay, runner):
+def test_strict_mode_refuses_every_target_session_and_step_until_the_drafter_is_refreshed(bed, overlay, runner):
+    from vllm.v1.core.sched.output import SchedulerOutput
+
     overlay(True, strict=True)
     worker = bed.worker(runner)
     first = [run_step(bed, worker, action) for action in (REFRESH, "target")]
     assert [step.error for step in first] == [None, None]
     before = {key: raw(p) for key, p in parameters(bed).items()}
-    with pytest.raises(OverlayError, match="NemotronHMTP is 1 target refit behind"):
-        session(worker, bed.export_stream())
-    assert worker._weight_update_active is False  # vLLM never began the session
+    for attempt in ("first", "retry"):  # strict keeps refusing until the drafter is refreshed
+        with pytest.raises(OverlayError, match="NemotronHMTP is 1 target refit behind"):
+            session(worker, bed.export_stream())
+        assert worker._weight_update_active is False, attempt  # vLLM never began the session
+    with pytest.raises(OverlayError, match="seen at GPUModelRunner.execute_model"):
+        worker.model_runner.execute_model(SchedulerOutput.make_empty())
     assert all(torch.equal(before[key], raw(p)) for key, p in parameters(bed).items())
-    assert run_step(bed, worker, "execute").said == []  # one report per stale interval
+    after = [run_step(bed, worker, action) for action in (REFRESH, "target")]  # refreshed: vLLM runs again
+    assert [(step.error, step.said) for step in after] == [(None, [])] * 2 and refits_behind(worker) == 1
+
+
+def test_a_target_session_that_raises_halfway_counts_as_the_target_refit_it_was(bed, overlay):
+    """One wrong-shaped target tensor: vLLM's ``update_weights`` raises after its layerwise reload
+    changed every target parameter (loaded, or put on the meta device). Stock says nothing; the fix counts
+    the refit and the next step says the drafter is behind."""
+    seen = {}
+    for on in (False, True):
+        overlay(on)
+        worker = bed.worker("v2")
+        run_step(bed, worker, REFRESH)
+        stream = bed.export_stream()
+        last = max(index for index, (name, _) in enumerate(stream) if name not in bed.mtp_names)
+        name, tensor = stream[last]
+        stream[last] = (name, torch.zeros(tensor.shape[0] + 1, *tensor.shape[1:]))
+        before = {name: raw(p) for name, p in bed.target.named_parameters()}
+        with pytest.raises(AssertionError):
+            session(worker, stream)
+        changed = {p.device.type == "meta" or not torch.equal(raw(p), before[name])  # meta: not loaded back yet
+                   for name, p in bed.target.named_parameters()}
+        put_back_after_a_failed_reload(bed.target)
+        seen[on] = changed, worker._weight_update_active, run_step(bed, worker, "execute").said
+    assert seen[False] == ({True}, False, [])  # vLLM changed every target parameter, ended the session, no word
+    (changed, active, said), behind = seen[True], refits_behind(worker)
+    assert (changed, active, len(said), behind) == ({True}, False, 1, 1)
+    assert "Worker.update_weights (NCCLWeightTransferEngine), which raised after vLLM began replacing" in said[0]
+    assert [step.said for step in (run_step(bed, worker, a) for a in (REFRESH, "target"))] == [[], []]  # bed usable
 
 
 @pytest.mark.parametrize("runner", RUNNERS)
