@@ -2,8 +2,9 @@
 its patches touch, as released and with every combination of the fixes' patches applied.
 
 Releases are read from the venv (the pinned ones) or installed side by side (`pip --no-deps
---target`, cached). Usage: python scripts/measure_patches.py [DISTRIBUTION==VERSION ...]
-With no arguments, the releases already in the manifest are measured again; arguments add releases.
+--target`, cached). Usage: python scripts/measure_patches.py [DISTRIBUTION==VERSION ...] [DISTRIBUTION ...]
+With no arguments, the releases already in the manifest are measured again; DISTRIBUTION==VERSION adds
+a release; a bare DISTRIBUTION measures that distribution's releases only, the others' entries kept.
 """
 
 import json
@@ -29,10 +30,14 @@ def main(extra):
     manifest = json.loads(path.read_text()) if path.exists() else {}
     releases = {(dist, version) for dist, versions in manifest.items() if isinstance(versions, dict)
                 for version in versions}
-    releases |= {tuple(item.split("==")) for item in extra}
+    releases |= {tuple(item.split("==")) for item in extra if "==" in item}
+    only = {item for item in extra if "==" not in item}
     fixes = declarations.every()
     measured = {"format": FORMAT, "about": ABOUT}
     for distribution, version in sorted(releases):
+        if only and distribution not in only:
+            measured.setdefault(distribution, {})[version] = manifest[distribution][version]
+            continue
         patches = patches_for(fixes, distribution, version, path.parent)
         if not patches:
             continue
