@@ -49,11 +49,12 @@ def literal_counts(message: object, placeholders: "Sequence[str]") -> "Counter[s
     return +found
 
 
-def neutralise(conversation: "Sequence[Any]", placeholders: "Sequence[str]", strict: bool,
-               where: str = "") -> "tuple[list[Any], int]":
+def neutralise(conversation: "Sequence[Any]", placeholders: "Sequence[str]", strict: bool, where: str = "",
+               first: int = 0) -> "tuple[list[Any], int]":
     """``(conversation with the literal placeholders removed, messages changed)``; the messages changed
     are copies, the caller's stay as they were. ``strict``: `OverlayError` naming the first such message
-    (``where`` says whose rule and, for a batch, which conversation: "mtp-overlay fix 'x': conversation 1, ").
+    (``where`` says whose rule and, for a batch, which conversation: "mtp-overlay fix 'x': conversation 1, ";
+    ``first``: the index of ``conversation[0]`` in the whole conversation, for a caller that sees a part).
 
     Longer placeholders go first, so one that contains another ("<image>" in "<image><image>") is removed whole.
     """
@@ -68,7 +69,7 @@ def neutralise(conversation: "Sequence[Any]", placeholders: "Sequence[str]", str
             placeholder, count = next(iter(literals.items()))
             items = ", ".join(f"{n} {modality}" for modality, n in sorted(media.items()))
             raise OverlayError(
-                f"{where}message {index} writes the media placeholder {placeholder!r} {count} time(s) in its text "
+                f"{where}message {first + index} writes the media placeholder {placeholder!r} {count} time(s) in its text "
                 f"beside {items} structured item(s): the typed placeholders, not the items, would decide how many "
                 f"placeholders the template emits and where; remove them from the text (or turn strict mode off to "
                 f"have them removed)")

@@ -17,6 +17,8 @@ at every index up to this request's items) removed from its text parts before vL
 as it was.
 """
 
+import weakref
+
 from ...calls import argument, with_argument
 from ...contract import Verdict, drifted, needed, redundant
 from .. import Fix
@@ -33,6 +35,9 @@ FUNCTION = "parse_chat_message_content"
 JOIN = "get_full_multimodal_text_prompt"  # vLLM's join of a message's texts and placeholders ("string" templates)
 PARAMETERS = ["message", "mm_tracker", "content_format"]
 TALLY = Tally()
+# a request's item tracker (one per parse_chat_messages call) -> the messages parsed with it so far: the
+# index of the next one in the request, for strict mode's error
+MESSAGES_SEEN: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
 
 
 def model_placeholders(message: object, tracker: "Any") -> "list[str]":
@@ -53,11 +58,12 @@ def model_placeholders(message: object, tracker: "Any") -> "list[str]":
 
 def parse_chat_message_content(wrapped: "Callable[..., Any]", instance: "Any", args: "tuple[Any, ...]",
                                kwargs: "dict[str, Any]") -> "Any":
-    message = argument(args, kwargs, 0, "message")
+    message, tracker = argument(args, kwargs, 0, "message"), argument(args, kwargs, 1, "mm_tracker")
+    index = MESSAGES_SEEN.get(tracker, 0)
+    MESSAGES_SEEN[tracker] = index + 1
     if media_counts(message):
-        tracker = argument(args, kwargs, 1, "mm_tracker")
         (fixed,), changed = neutralise([message], model_placeholders(message, tracker), FIX.lifecycle.strict,
-                                       f"mtp-overlay fix {DECLARATION.name!r}: ")
+                                       f"mtp-overlay fix {DECLARATION.name!r}: ", first=index)
         if changed:
             TALLY.add(changed)
             args, kwargs = with_argument(args, kwargs, 0, "message", fixed)
