@@ -14,7 +14,7 @@ DECLARATION = Declaration(
     distribution="transformers",
     targets={"processing": PROCESSING},  # ProcessorMixin.apply_chat_template
     provenance=Provenance(
-        origin="NeMo-RL PR #3494 (Nemotron Super Omni rollouts: 392 rows with one image and two literal <image>)",
+        origin="NeMo-RL PR #3494 (Nemotron Super Omni rollouts: 392 rows with one image and two literal `<image>`)",
         upstream_fix="none (NeMo-RL PR #3494's sanitize_image_placeholders works around it)",
         bugs=("https://github.com/NVIDIA-NeMo/RL/pull/3494",),
     ),
