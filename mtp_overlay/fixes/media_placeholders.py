@@ -12,11 +12,12 @@ message, the placeholder and the counts.
 import threading
 from collections import Counter
 
+from ..calls import with_argument
 from ..contract import OverlayError
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from collections.abc import Mapping, Sequence
+    from collections.abc import Callable, Mapping, Sequence
     from typing import Any
 
 # content part "type" -> modality, for the spellings transformers' processors and vLLM's chat parser take
@@ -87,11 +88,13 @@ def _without(part: object, placeholders: "Sequence[str]") -> object:
     return {**part, "text": text}
 
 
-def processor_placeholders(processor: object) -> "list[str]":
-    """The media placeholder strings a transformers processor owns (``image_token``, ``video_token``,
-    ``audio_token``: those it has)."""
-    found = (getattr(processor, f"{modality}_token", None) for modality in MODALITIES)
-    return [token for token in found if isinstance(token, str) and token]
+def processor_placeholders(processor: object) -> "dict[str, str]":
+    """modality -> the media placeholder string a transformers processor owns (its ``image_token``,
+    ``video_token``, ``audio_token``, or else its tokenizer's: those it has)."""
+    tokenizer = getattr(processor, "tokenizer", None)
+    found = {modality: getattr(processor, f"{modality}_token", None) or getattr(tokenizer, f"{modality}_token", None)
+             for modality in MODALITIES}
+    return {modality: token for modality, token in found.items() if isinstance(token, str) and token}
 
 
 class Tally:
@@ -101,9 +104,15 @@ class Tally:
         self.messages = 0
         self._lock = threading.Lock()
 
-    def add(self, changed: int) -> None:
-        with self._lock:
-            self.messages += changed
+    def call(self, wrapped: "Callable[..., Any]", args: "tuple[Any, ...]", kwargs: "dict[str, Any]", name: str,
+             fixed: object, changed: int) -> "Any":
+        """``wrapped`` called with its first argument ``name`` replaced by ``fixed`` when ``changed``
+        messages were (counted), else as it was called."""
+        if changed:
+            with self._lock:
+                self.messages += changed
+            args, kwargs = with_argument(args, kwargs, 0, name, fixed)
+        return wrapped(*args, **kwargs)
 
     def details(self) -> "Mapping[str, Any]":
         if not self.messages:

@@ -9,13 +9,14 @@ one more than the images there are. ``sanitize_control_tokens`` exists on the to
 
 The hook wraps ``ProcessorMixin.apply_chat_template``: each message of the conversation (or of each
 conversation of a batch) that carries structured media parts gets its text parts' literal copies of the
-processor's ``image_token`` / ``video_token`` / ``audio_token`` removed (`media_placeholders.neutralise`),
+processor's ``image_token`` / ``video_token`` / ``audio_token`` (or its tokenizer's) removed
+(`media_placeholders.neutralise`),
 in a copy; the caller's conversation is left as it was. Strict mode refuses such a message instead
 (`OverlayError` naming the conversation, the message, the placeholder and the counts). Subclasses that
 override the method and call ``super()`` go through the hook; one that renders on its own does not.
 """
 
-from ...calls import argument, original, with_argument
+from ...calls import argument, original
 from ...contract import Verdict, drifted, needed, redundant
 from .. import Fix
 from ..media_placeholders import Tally, neutralise, processor_placeholders
@@ -55,11 +56,8 @@ def sanitized(conversation: "Any", placeholders: "list[str]", strict: bool) -> "
 def apply_chat_template(wrapped: "Callable[..., Any]", instance: "Any", args: "tuple[Any, ...]",
                         kwargs: "dict[str, Any]") -> "Any":
     conversation = argument(args, kwargs, 0, "conversation")
-    fixed, changed = sanitized(conversation, processor_placeholders(instance), FIX.lifecycle.strict)
-    if changed:
-        TALLY.add(changed)
-        args, kwargs = with_argument(args, kwargs, 0, "conversation", fixed)
-    return wrapped(*args, **kwargs)
+    fixed, changed = sanitized(conversation, list(processor_placeholders(instance).values()), FIX.lifecycle.strict)
+    return TALLY.call(wrapped, args, kwargs, "conversation", fixed, changed)
 
 
 class HfMediaPlaceholdersFix(Fix):

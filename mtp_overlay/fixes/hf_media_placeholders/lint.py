@@ -12,7 +12,7 @@ from collections import Counter
 from pathlib import Path
 
 from ...calls import original
-from ..media_placeholders import MEDIA_PART_TYPES, MODALITIES
+from ..media_placeholders import MEDIA_PART_TYPES, processor_placeholders
 from . import sanitized
 
 TYPE_CHECKING = False
@@ -125,8 +125,7 @@ def lint_media(data: "str | Path", processor: "str | Path",
     if not isinstance(loaded, ProcessorMixin) or getattr(loaded, "chat_template", None) is None:
         raise ValueError(f"--processor {str(folder)!r} holds no multimodal processor with a chat template "
                          f"(AutoProcessor loaded a {type(loaded).__name__})")
-    tokens = {modality: getattr(loaded, f"{modality}_token", None) for modality in MODALITIES}
-    tokens = {modality: token for modality, token in tokens.items() if isinstance(token, str) and token}
+    tokens = processor_placeholders(loaded)
     ids = {modality: loaded.tokenizer.convert_tokens_to_ids(token) for modality, token in tokens.items()}
     render = original(ProcessorMixin.apply_chat_template)  # the stock render, hooked or not
 

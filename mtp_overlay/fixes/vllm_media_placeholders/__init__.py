@@ -19,7 +19,7 @@ as it was.
 
 import weakref
 
-from ...calls import argument, with_argument
+from ...calls import argument
 from ...contract import Verdict, drifted, needed, redundant
 from .. import Fix
 from ..media_placeholders import MODALITIES, Tally, media_counts, neutralise
@@ -61,13 +61,11 @@ def parse_chat_message_content(wrapped: "Callable[..., Any]", instance: "Any", a
     message, tracker = argument(args, kwargs, 0, "message"), argument(args, kwargs, 1, "mm_tracker")
     index = MESSAGES_SEEN.get(tracker, 0)
     MESSAGES_SEEN[tracker] = index + 1
-    if media_counts(message):
-        (fixed,), changed = neutralise([message], model_placeholders(message, tracker), FIX.lifecycle.strict,
-                                       f"mtp-overlay fix {DECLARATION.name!r}: ", first=index)
-        if changed:
-            TALLY.add(changed)
-            args, kwargs = with_argument(args, kwargs, 0, "message", fixed)
-    return wrapped(*args, **kwargs)
+    if not media_counts(message):
+        return wrapped(*args, **kwargs)
+    (fixed,), changed = neutralise([message], model_placeholders(message, tracker), FIX.lifecycle.strict,
+                                   f"mtp-overlay fix {DECLARATION.name!r}: ", first=index)
+    return TALLY.call(wrapped, args, kwargs, "message", fixed, changed)
 
 
 class VllmMediaPlaceholdersFix(Fix):

@@ -95,3 +95,13 @@ def test_with_the_fix_placeholders_equal_structured_items(processor, shape):
     assert mp.hf_placeholders(processor, messages()) == expected
     with mp.fix_off(FIX):
         assert mp.hf_placeholders(processor, messages()) == mp.seed_rule_placeholders(messages())
+
+
+def test_placeholders_are_the_processors_or_its_tokenizers():
+    from types import SimpleNamespace
+
+    from mtp_overlay.fixes.media_placeholders import processor_placeholders
+
+    tokenizer = SimpleNamespace(image_token="<img>", video_token="<vid>")
+    assert processor_placeholders(SimpleNamespace(image_token="<image>", audio_token=None, tokenizer=tokenizer)) == {
+        "image": "<image>", "video": "<vid>"}
