@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 # content part "type" -> modality, for the spellings transformers' processors and vLLM's chat parser take
 MEDIA_PART_TYPES = {
-    "image": "image", "image_url": "image", "image_pil": "image", "image_embeds": "image",
+    "image": "image", "image_url": "image", "input_image": "image", "image_pil": "image", "image_embeds": "image",
     "video": "video", "video_url": "video", "video_embeds": "video",
     "audio": "audio", "audio_url": "audio", "input_audio": "audio", "audio_embeds": "audio",
 }
@@ -70,8 +70,8 @@ def neutralise(conversation: "Sequence[Any]", placeholders: "Sequence[str]", str
             placeholder, count = next(iter(literals.items()))
             items = ", ".join(f"{n} {modality}" for modality, n in sorted(media.items()))
             raise OverlayError(
-                f"{where}message {first + index} writes the media placeholder {placeholder!r} {count} time(s) in its text "
-                f"beside {items} structured item(s): the typed placeholders, not the items, would decide how many "
+                f"{where}message {first + index} writes the media placeholder {placeholder!r} {count} time(s) in its "
+                f"text beside {items} structured item(s): the typed placeholders, not the items, would decide how many "
                 f"placeholders the template emits and where; remove them from the text (or turn strict mode off to "
                 f"have them removed)")
         result[index] = {**message, "content": [_without(part, placeholders) for part in message["content"]]}
