@@ -192,6 +192,17 @@ def _new_fix(args: argparse.Namespace) -> int:
     return 0
 
 
+def _lint_media(args: argparse.Namespace) -> int:
+    from .fixes.hf_media_placeholders.lint import lint_media
+
+    def progress(rows: int) -> None:
+        print(f"mtp-overlay lint-media: {rows} rows", file=sys.stderr, flush=True)
+
+    report = lint_media(args.data, args.processor, progress=progress)
+    print(json.dumps(report.as_dict(), indent=2) if args.json else report.text())
+    return report.exit_code
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mtp-overlay", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -220,6 +231,18 @@ def build_parser() -> argparse.ArgumentParser:
     new_fix.add_argument("--summary", help="what the fix does, one line (default: a placeholder to edit)")
     new_fix.set_defaults(run=_new_fix)
     _add_verify(commands)
+    lint = commands.add_parser(
+        "lint-media", help="rows of a chat dataset whose media placeholders differ from their structured media",
+        description="Render each row's messages with the processor's own chat template, stock and with "
+                    "hf-media-placeholders, and report the rows whose placeholder tokens differ from their "
+                    "structured media items, by source when the rows have a \"source\" field. CPU only, no "
+                    "weights. Exit 0: clean; 1: mismatches found; 2: bad input (a malformed line named).")
+    lint.add_argument("data", metavar="DATA.jsonl", help='one JSON object per line, its "messages" the conversation '
+                      "as apply_chat_template takes it")
+    lint.add_argument("--processor", required=True, metavar="DIR",
+                      help="a local processor folder: tokenizer, chat template, processor config")
+    lint.add_argument("--json", action="store_true", help="the report as JSON")
+    lint.set_defaults(run=_lint_media)
     patch_command.add_parser(commands)
     startup.add_parser(commands)
     return parser

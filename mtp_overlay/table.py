@@ -48,6 +48,9 @@ FIXES = (
     ("hf-modules-cache", (
         "ray",
     )),
+    ("hf-media-placeholders", (
+        "transformers.processing_utils",
+    )),
     ("device-normalized-broadcast", (
         "vllm.distributed.weight_transfer.packed_tensor",
         "vllm.distributed.weight_transfer.nccl_engine",
@@ -59,6 +62,9 @@ FIXES = (
         "vllm.entrypoints.openai.chat_completion.serving",
         "vllm.entrypoints.openai.responses.serving",
         "vllm.entrypoints.anthropic.serving",
+    )),
+    ("vllm-media-placeholders", (
+        "vllm.renderers.chat_utils.chat_message",
     )),
     ("vllm-mtp-drafter-load", (
         "vllm.model_executor.models.nemotron_h_mtp",

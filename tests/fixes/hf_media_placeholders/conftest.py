@@ -1,0 +1,16 @@
+"""One tiny processor (the seed's placeholder rule as its chat template, `mtp_overlay.testing.media_placeholders`)
+per session."""
+
+import pytest
+
+from mtp_overlay.testing import media_placeholders as mp
+
+
+@pytest.fixture(scope="session")
+def processor_folder(tmp_path_factory):
+    return mp.write_processor(tmp_path_factory.mktemp("media") / "processor")
+
+
+@pytest.fixture(scope="session")
+def processor(processor_folder):
+    return mp.load_processor(processor_folder)
