@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 PLACEHOLDER = "TODO(new-fix)"
 DISTRIBUTION = re.compile(r"[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?")  # a PEP 508 name
 
-DECLARATION = '''"""{fix_id}: what it targets, where it comes from, which releases its patches fit (data only)."""
+DECLARATION = '''"""{name}: what it targets, where it comes from, which releases its patches fit (data only)."""
 
 from mtp_overlay.contract import Declaration, Provenance
 
@@ -139,7 +139,7 @@ def new_fix(fix_id: str, distribution: str, targets: "list[tuple[str, str]]",
     package = generated.PACKAGE / "fixes" / folder
     files = {
         package / "declaration.py": DECLARATION.format(
-            fix_id=quoted(fix_id), summary=quoted(declaration.summary), symptom=quoted(declaration.symptom),
+            name=fix_id, fix_id=quoted(fix_id), summary=quoted(declaration.summary), symptom=quoted(declaration.symptom),
             distribution=quoted(distribution), origin=quoted(declaration.provenance.origin),
             targets="".join(f"        {quoted(role)}: {quoted(module)},\n" for role, module in declaration.targets.items())),
         package / "__init__.py": MODULE.format(fix_id=fix_id, summary=summary, placeholder=PLACEHOLDER, folder=folder,

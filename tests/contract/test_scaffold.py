@@ -102,6 +102,7 @@ def test_the_scaffold_writes_what_every_fix_has(tmp_path):
                  copy / "tests" / "fixes" / "bridge_thing" / "test_bridge_thing.py",
                  copy / "mtp_overlay" / "testing" / "reproducers" / "bridge_thing.py"):
         assert f"wrote {path.relative_to(copy)}" in made.stdout
+    assert (folder / "declaration.py").read_text().startswith('"""bridge-thing: what it targets')
     readme = (folder / "README.md").read_text()
     assert readme.startswith(generated.FACTS_BEGIN) and "Fix the bridge's thing." in readme and "## Why" in readme
     probe = textwrap.dedent("""
