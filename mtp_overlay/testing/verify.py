@@ -160,26 +160,46 @@ def resolve_provider(path):
     where, _, name = path.rpartition(":")
     if not where or not name:
         raise PlanError(f"--provider must be MODULE:NAME or FILE.py:NAME, got {path!r}")
-    try:
+
+    def load():
         if where.endswith(".py"):
             spec = importlib.util.spec_from_file_location(os.path.basename(where)[:-3], where)
             if spec is None or spec.loader is None:
                 raise ImportError(f"no Python file at {where}")
             module = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(module)
-        else:
-            module = importlib.import_module(where)
-        found = getattr(module, name)
-    except (ImportError, AttributeError, OSError) as error:
-        raise PlanError(f"--provider {path}: {type(error).__name__}: {error}") from None
-    if inspect.isclass(found) and issubclass(found, ModelProviderMixin):
-        found = found()
-    elif callable(found) and not isinstance(found, ModelProviderMixin):
-        found = found()
+            return module
+        return importlib.import_module(where)
+
+    module = users_code(path, f"importing {where}", load)
+    if not hasattr(module, name):
+        raise PlanError(f"--provider {path}: {where} has no attribute {name!r}")
+    found = getattr(module, name)
+    if (inspect.isclass(found) and issubclass(found, ModelProviderMixin)) or (
+            callable(found) and not isinstance(found, ModelProviderMixin)):
+        found = users_code(path, f"{name}()", found)
     found = getattr(found, "model", found)
     if not isinstance(found, ModelProviderMixin):
         raise PlanError(f"--provider {path} gives a {type(found).__name__}, not a Megatron-Bridge model provider")
     return found
+
+
+def users_code(path, what, call):
+    """``call()``, the user's code behind ``--provider path``; PlanError naming the flag, ``what`` raised
+    and the innermost line of the user's file (or of the traceback) where it did, never a traceback."""
+    import traceback
+
+    try:
+        return call()
+    except Exception as error:  # noqa: BLE001 - the user's code: any error is theirs to see, named
+        frames = traceback.extract_tb(error.__traceback__)
+        if isinstance(error, SyntaxError) and error.filename:
+            at = f"{error.filename}:{error.lineno}"
+        else:
+            file = os.path.abspath(path.rpartition(":")[0])
+            theirs = [frame for frame in frames if os.path.abspath(frame.filename) == file] or frames
+            at = f"{theirs[-1].filename}:{theirs[-1].lineno}"
+        raise PlanError(f"--provider {path}: {what} raised {type(error).__name__}: {error} (at {at})") from None
 
 
 def describe(model):
@@ -726,8 +746,9 @@ def layout_name(layout):
     """"TP2xCP2+SP", "EP2", "TP1" ... of a layout dict (or "reference")."""
     if layout == "reference":
         return "the reference (TP1, stock)"
-    parts = [f"{key.upper()}{layout[key]}" for key in ("tp", "cp", "ep", "pp") if (layout.get(key) or 1) > 1]
-    return "x".join(parts or ["TP1"]) + ("+SP" if layout.get("sp") else "")
+    from ..verification.layout import Layout
+
+    return Layout(**layout).name
 
 
 def main(argv=None):
