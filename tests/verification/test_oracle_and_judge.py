@@ -228,40 +228,14 @@ def test_a_shrunk_sample_keeps_a_prompt_and_a_response_where_a_sequence_had_both
     assert data.shrink_sample([data.Shape(4000, 1000), data.Shape(10, 3)])[0][1] == data.Shape(2, 1)
 
 
-class OracleEngine:
-    """An engine whose every step trains exactly the oracle's pairs with the reference's numbers (what a
-    cured path gives), recording the layouts it was asked to run: for what verify asks and names."""
-
-    def __init__(self):
-        self.layouts = []
-
-    def request(self, message):
-        plan = message["plan"]
-        sequences = tuple(data.Sequence(tuple(tokens), prompt) for tokens, prompt in zip(plan["sequences"],
-                                                                                        plan["prompts"]))
-        depths = plan["model"]["config"]["num_nextn_predict_layers"]
-        trained = [sorted(map(list, oracle.allowed(sequences, depth, plan["forward"]))) for depth in
-                   range(1, depths + 1)]
-        cases = []
-        for layout, steps in message["jobs"]:
-            self.layouts.append(layout)
-            cases += [dict(case=name, layout=layout, fixes=fixes, error=None, trained=trained, lm_loss=4.8,
-                           mtp_losses=[4.9] * depths, grad_relerr={"mtp": 0.0, "lm": 0.0},
-                           max_delta={"mtp": 0.0, "lm": 0.0}) for name, fixes in steps]
-        return dict(cases=cases)
-
-    def close(self):
-        pass
-
-
 def test_a_layout_above_max_ranks_is_named_as_not_verified_and_what_ran_is_named_everywhere():
     """``--tp 2 --cp 2 --sp --max-ranks 1`` runs TP1: the table, the header, the verdict and the JSON name
     TP1 as what ran and say the asked TP2xCP2+SP was not verified; exit 0 is for what ran."""
-    from pathlib import Path
+    from saved_by_transformers import CONFIGS, OracleEngine
 
     from mtp_overlay import verification
 
-    config = Path(__file__).parent / "configs" / "nemotron_h_like"
+    config = CONFIGS / "nemotron_h_like"
     engine = OracleEngine()
     found = verification.verify(config, tp=2, cp=2, sp=True, max_ranks=1, engine=engine)
     assert engine.layouts[1:] == [dict(tp=1, cp=1, pp=1, ep=1, etp=None, sp=False)]
