@@ -14,9 +14,9 @@ in a filtered sequence, one as the last input.
 no response and one with no prompt if the sample has such sequences), scales their lengths so the
 longest has `MAX_LENGTH` tokens, and keeps each prompt's share of its sequence (a prompt of none, of
 everything, or of some but not all stays so: a sequence with a prompt and a response keeps at
-least one token of each, whatever the ratio of the lengths). `draw` gives each sequence distinct token ids (1 up
-to the vocabulary; 0 is the packing's padding id; none of the ``reserved`` ones, the model's image
-and sound tokens), so a target shifted by any offset is another id and the position oracle (`oracle`)
+least one token of each, whatever the ratio of the lengths). `draw` gives each sequence distinct
+token ids (1 up to the vocabulary; 0 is the packing's padding id; none of the ``reserved`` ones, the
+model's image and sound tokens), so a target shifted by any offset is another id and the position oracle (`oracle`)
 sees it; an image placeholder's token is `IMAGE` (the engine puts the built model's image token there).
 """
 
