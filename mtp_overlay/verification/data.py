@@ -16,8 +16,9 @@ longest has `MAX_LENGTH` tokens, and keeps each prompt's share of its sequence (
 everything, or of some but not all stays so: a sequence with a prompt and a response keeps at
 least one token of each, whatever the ratio of the lengths). `draw` gives each sequence distinct
 token ids (1 up to the vocabulary; 0 is the packing's padding id; none of the ``reserved`` ones, the
-model's image and sound tokens), so a target shifted by any offset is another id and the position oracle (`oracle`)
-sees it; an image placeholder's token is `IMAGE` (the engine puts the built model's image token there).
+model's image and sound tokens), so a target shifted by any offset is another id and the position
+oracle (`oracle`) sees it; an image placeholder's token is `IMAGE` (the engine puts the built model's
+image token there).
 """
 
 from __future__ import annotations

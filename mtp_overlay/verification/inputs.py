@@ -58,7 +58,8 @@ def check_provider_path(path: str) -> str:
             with open(where, "rb") as handle:
                 compile(handle.read(), where, "exec", dont_inherit=True)
         except SyntaxError as error:  # a file that is not UTF-8 and declares no encoding is one too
-            raise ValueError(f"--provider {path}: {where}:{error.lineno}: {type(error).__name__}: {error.msg}") from None
+            where_and_why = f"{where}:{error.lineno}: {type(error).__name__}: {error.msg}"
+            raise ValueError(f"--provider {path}: {where_and_why}") from None
         except OSError as error:
             raise ValueError(f"--provider {path}: {error.strerror or error}") from None
     return path
