@@ -125,8 +125,8 @@ def test_bridge_builds_the_provider_of_every_saved_familys_plan(tmp_path):
              for index, (make, arguments, _, _) in enumerate(FAMILIES.values())]
     found = run_ranks_checked(providers_of, 1, args=(plans,), fixes=[], timeout=600)[0]
     assert [(f["provider"], f["family"]) for f in found] == [
-        ("HybridModelProvider", "hybrid"), ("HybridModelProvider", "hybrid"), ("NemotronOmniModelProvider", "multimodal"),
-        ("GPTModelProvider", "gpt"), ("GPTModelProvider", "gpt")]
+        ("HybridModelProvider", "hybrid"), ("HybridModelProvider", "hybrid"),
+        ("NemotronOmniModelProvider", "multimodal"), ("GPTModelProvider", "gpt"), ("GPTModelProvider", "gpt")]
     for plan, built, (_, _, _, patterns) in zip(plans, found, FAMILIES.values()):
         values = plan["model"]["config"].get("llm_config", plan["model"]["config"])
         experts = next((values[key] for key in ("n_routed_experts", "num_local_experts") if key in values), None)
