@@ -34,7 +34,8 @@ a subclass that adds the field the way the VL provider does and passes it to ``H
 LLaVAModel does, running Bridge's own ``HybridModelProvider.provide()`` for everything else.
 
 Without Transformer Engine (on CPU), ``provide()`` runs with local specs
-(``gpt_provider.local_layer_spec``; a local hybrid stack spec), ``AttnBackend.local``, fusions off,
+(`local_gpt_layer_spec`: Bridge's ``gpt_provider.local_layer_spec``, every expert drawn on every rank; a
+local hybrid stack spec), ``AttnBackend.local``, fusions off,
 and the MTP spec built without TE (``cpu_shims.bridge_local_mtp_spec``); with TE the providers keep
 their own specs.
 
@@ -47,7 +48,12 @@ import dataclasses
 import functools
 import importlib.util
 
-from .tiny_hybrid import ZOO_PATTERN, local_hybrid_stack_spec, tp_independent_mamba_weights
+from .tiny_hybrid import (
+    ZOO_PATTERN,
+    local_hybrid_stack_spec,
+    tp_independent_mamba_weights,
+    with_experts_of_every_rank,
+)
 
 KINDS = ("qwen3", "nemotron_h")  # dense: the kinds `Case` / `run_cases` train (tiny_gpt.train_step)
 MOE_KINDS = ("nemotron_h_zoo",)  # MoE: trained through megatron_step.MegatronStep (expert-parallel grads)
@@ -254,8 +260,23 @@ def _local_overrides(provider):
         overrides["hybrid_stack_spec"] = local_hybrid_stack_spec
         overrides["first_last_layers_bf16"] = False
     else:
-        overrides["transformer_layer_spec"] = gpt_provider.local_layer_spec
+        overrides["transformer_layer_spec"] = local_gpt_layer_spec
     return overrides
+
+
+def local_gpt_layer_spec(config):
+    """Bridge's ``gpt_provider.local_layer_spec`` of ``config``, its MoE experts (if any) built by
+    ``tiny_hybrid.experts_of_every_rank``: at EP2 the model holds the EP1 model's weights (the MTP
+    block's layers too: Bridge builds them from this spec)."""
+    import dataclasses
+
+    from megatron.bridge.models import gpt_provider
+
+    spec = gpt_provider.local_layer_spec(config)
+    if not config.num_moe_experts:
+        return spec
+    mlp = with_experts_of_every_rank(spec.submodules.mlp)
+    return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, mlp=mlp))
 
 
 @functools.cache

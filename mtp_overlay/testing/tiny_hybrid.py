@@ -120,18 +120,25 @@ def local_hybrid_stack_spec(config=None):
 def _local_moe():
     """megatron-core's local MoE builder (``MoELayer`` with ``SequentialMLP`` experts), its experts
     built by `experts_of_every_rank`."""
-    import dataclasses
-
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
-    from megatron.core.transformer.moe.moe_layer import MoELayer
 
     # the expert count is the config's, read by MoELayer; the spec only needs to be an MoE one
-    spec = get_moe_module_spec(use_te=False, num_experts=1, moe_grouped_gemm=False)
+    return with_experts_of_every_rank(get_moe_module_spec(use_te=False, num_experts=1, moe_grouped_gemm=False))
+
+
+def with_experts_of_every_rank(spec):
+    """``spec`` (megatron-core's local MoE builder, ``partial(MoELayer, submodules=...)``) with its experts
+    built by `experts_of_every_rank`: the hybrid stack's MoE layers and Bridge's GPT providers' alike."""
+    import dataclasses
+
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
     if not (isinstance(spec, functools.partial) and spec.func is MoELayer and "submodules" in spec.keywords):
-        raise TypeError(f"get_moe_module_spec(use_te=False) is not partial(MoELayer, submodules=...) here: {spec!r}")
+        raise TypeError(f"the local MoE spec is not partial(MoELayer, submodules=...) here: {spec!r}")
     submodules = spec.keywords["submodules"]
     experts = functools.partial(experts_of_every_rank, submodules.experts)
-    return functools.partial(MoELayer, submodules=dataclasses.replace(submodules, experts=experts))
+    return functools.partial(MoELayer, *spec.args,
+                             **dict(spec.keywords, submodules=dataclasses.replace(submodules, experts=experts)))
 
 
 def experts_of_every_rank(build_experts, num_local_experts, config, *, pg_collection, name=None):

@@ -47,20 +47,28 @@ class PlanError(ValueError):
 
 # --- the model ---------------------------------------------------------------------------------
 def hf_config(values):
-    """A transformers config of ``values`` (a config.json's dict, ``model_type`` included); a Nemotron VL /
-    Omni config (its language model's config in ``llm_config``) as `multimodal_hf_config`."""
+    """A transformers config of ``values`` (a config.json's dict, ``model_type`` included), read as
+    transformers reads a model folder: saved as ``config.json`` and loaded by
+    ``AutoConfig.from_pretrained`` (its own decoding: ``{"__float__": "Infinity"}`` is inf, a list where
+    the class wants a tuple is taken, as for a downloaded model); a Nemotron VL / Omni config (its
+    language model's config in ``llm_config``) as `multimodal_hf_config`."""
+    import tempfile
+
     from transformers import AutoConfig
 
     if isinstance(values.get("llm_config"), dict):
         return multimodal_hf_config(values)
-    values = dict(values)
-    model_type = values.pop("model_type", None)
+    model_type = values.get("model_type")
     if not model_type:
         raise PlanError("the config has no model_type: transformers cannot tell which family it is")
-    try:
-        return AutoConfig.for_model(model_type, **values)
-    except (ValueError, KeyError) as error:
-        raise PlanError(f"transformers cannot read a {model_type!r} config: {error}") from None
+    with tempfile.TemporaryDirectory(prefix="mtp-overlay-config-") as folder:
+        with open(os.path.join(folder, "config.json"), "w", encoding="utf-8") as handle:
+            json.dump(values, handle)
+        try:
+            return AutoConfig.from_pretrained(folder)
+        except Exception as error:  # noqa: BLE001 - transformers' refusal of the config, named
+            raise PlanError(f"transformers cannot read a {model_type!r} config: {type(error).__name__}: "
+                            f"{error}") from None
 
 
 def multimodal_hf_config(values):
@@ -112,13 +120,16 @@ def provided(model):
         setattr(provider, name, value)
     settings = []
     if model["kind"] == "hf-config" and is_multimodal(provider):
-        llm, bridged = model["config"]["llm_config"], type(provider).__name__
+        # read off transformers' config of the llm_config: a saved NemotronHConfig holds the MTP pattern as
+        # mtp_layers_block_type, its property mtp_hybrid_override_pattern gives the symbols
+        llm, bridged = config.llm_config, type(provider).__name__
         for key, field in VL_BRIDGE_GAPS.items():
-            if key in llm and getattr(provider, field, None) != llm[key]:
-                settings.append(dict(field=field, bridge=getattr(provider, field, None), set=llm[key],
+            value = getattr(llm, key, None)
+            if value is not None and getattr(provider, field, None) != value:
+                settings.append(dict(field=field, bridge=getattr(provider, field, None), set=value,
                                      why=f"llm_config's {key}, which Megatron-Bridge's bridge of {bridged} does not "
                                          "map (a training recipe must set it)"))
-                setattr(provider, field, llm[key])
+                setattr(provider, field, value)
     for name, value in (model.get("multimodal") or {}).items():
         if hasattr(provider, name) and getattr(provider, name) != value:
             settings.append(dict(field=name, bridge=getattr(provider, name), set=value, why=MULTIMODAL_WHY[name]))
@@ -160,26 +171,46 @@ def resolve_provider(path):
     where, _, name = path.rpartition(":")
     if not where or not name:
         raise PlanError(f"--provider must be MODULE:NAME or FILE.py:NAME, got {path!r}")
-    try:
+
+    def load():
         if where.endswith(".py"):
             spec = importlib.util.spec_from_file_location(os.path.basename(where)[:-3], where)
             if spec is None or spec.loader is None:
                 raise ImportError(f"no Python file at {where}")
             module = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(module)
-        else:
-            module = importlib.import_module(where)
-        found = getattr(module, name)
-    except (ImportError, AttributeError, OSError) as error:
-        raise PlanError(f"--provider {path}: {type(error).__name__}: {error}") from None
-    if inspect.isclass(found) and issubclass(found, ModelProviderMixin):
-        found = found()
-    elif callable(found) and not isinstance(found, ModelProviderMixin):
-        found = found()
+            return module
+        return importlib.import_module(where)
+
+    module = users_code(path, f"importing {where}", load)
+    if not hasattr(module, name):
+        raise PlanError(f"--provider {path}: {where} has no attribute {name!r}")
+    found = getattr(module, name)
+    if (inspect.isclass(found) and issubclass(found, ModelProviderMixin)) or (
+            callable(found) and not isinstance(found, ModelProviderMixin)):
+        found = users_code(path, f"{name}()", found)
     found = getattr(found, "model", found)
     if not isinstance(found, ModelProviderMixin):
         raise PlanError(f"--provider {path} gives a {type(found).__name__}, not a Megatron-Bridge model provider")
     return found
+
+
+def users_code(path, what, call):
+    """``call()``, the user's code behind ``--provider path``; PlanError naming the flag, ``what`` raised
+    and the innermost line of the user's file (or of the traceback) where it did, never a traceback."""
+    import traceback
+
+    try:
+        return call()
+    except Exception as error:  # noqa: BLE001 - the user's code: any error is theirs to see, named
+        frames = traceback.extract_tb(error.__traceback__)
+        if isinstance(error, SyntaxError) and error.filename:
+            at = f"{error.filename}:{error.lineno}"
+        else:
+            file = os.path.abspath(path.rpartition(":")[0])
+            theirs = [frame for frame in frames if os.path.abspath(frame.filename) == file] or frames
+            at = f"{theirs[-1].filename}:{theirs[-1].lineno}"
+        raise PlanError(f"--provider {path}: {what} raised {type(error).__name__}: {error} (at {at})") from None
 
 
 def describe(model):
@@ -726,8 +757,9 @@ def layout_name(layout):
     """"TP2xCP2+SP", "EP2", "TP1" ... of a layout dict (or "reference")."""
     if layout == "reference":
         return "the reference (TP1, stock)"
-    parts = [f"{key.upper()}{layout[key]}" for key in ("tp", "cp", "ep", "pp") if (layout.get(key) or 1) > 1]
-    return "x".join(parts or ["TP1"]) + ("+SP" if layout.get("sp") else "")
+    from ..verification.layout import Layout
+
+    return Layout(**layout).name
 
 
 def main(argv=None):

@@ -184,7 +184,8 @@ def verify(
     if shrunk.multimodal is not None:
         not_run += list(shrunk.multimodal.not_run)
     return Report(
-        model=name, layout=layout.name, packing=packing, shrunk=shrunk.as_dict(), built=built, sample=sample.as_dict(),
+        model=name, layout=run_layout.name, asked=None if run_layout is layout else layout.name, packing=packing,
+        shrunk=shrunk.as_dict(), built=built, sample=sample.as_dict(),
         reference=judged_as(reference_row, None, None),
         stock=judged[0], overlay=judged[1], ablations=tuple(judged[2:]), search=tuple(searched),
         needs=_report.needs(judged[1], judged[2:], symptoms(fixes), required_by(fixes)), not_run=tuple(not_run),
@@ -389,7 +390,7 @@ def _raise_plan_error(answer: dict[str, object]) -> None:
         if answer.get("traceback"):
             raise RuntimeError(f"the verify engine failed: {error}\n{answer['traceback']}"
                                + (f"\n(the ranks' output: {answer['log']})" if answer.get("log") else ""))
-        raise ValueError(f"the test bed cannot build this config: {error}")
+        raise ValueError(error if str(error).startswith("--") else f"the test bed cannot build this config: {error}")
 
 
 def _answers(answer: dict[str, object]) -> list[dict[str, object]]:

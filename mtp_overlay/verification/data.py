@@ -13,10 +13,12 @@ in a filtered sequence, one as the last input.
 `shrink_sample` keeps at most `MAX_SEQUENCES` of them (spread over the sorted lengths, plus one with
 no response and one with no prompt if the sample has such sequences), scales their lengths so the
 longest has `MAX_LENGTH` tokens, and keeps each prompt's share of its sequence (a prompt of none, of
-everything, or of some but not all stays so). `draw` gives each sequence distinct token ids (1 up
-to the vocabulary; 0 is the packing's padding id; none of the ``reserved`` ones, the model's image
-and sound tokens), so a target shifted by any offset is another id and the position oracle (`oracle`)
-sees it; an image placeholder's token is `IMAGE` (the engine puts the built model's image token there).
+everything, or of some but not all stays so: a sequence with a prompt and a response keeps at
+least one token of each, whatever the ratio of the lengths). `draw` gives each sequence distinct
+token ids (1 up to the vocabulary; 0 is the packing's padding id; none of the ``reserved`` ones, the
+model's image and sound tokens), so a target shifted by any offset is another id and the position
+oracle (`oracle`) sees it; an image placeholder's token is `IMAGE` (the engine puts the built model's
+image token there).
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ import json
 import os
 import random
 from typing import NamedTuple
+
+from .inputs import not_utf8
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -84,6 +88,8 @@ def read_sample(path: str | os.PathLike[str]) -> list[Shape]:
             lines = handle.read().splitlines()
     except OSError as error:
         raise ValueError(f"--data {name}: {error.strerror or error}") from None
+    except UnicodeDecodeError as error:
+        raise ValueError(f"--data {name}: {not_utf8(error)} (a data sample is UTF-8 JSONL)") from None
     shapes = []
     for number, line in enumerate(lines, 1):
         if not line.strip():
@@ -130,11 +136,12 @@ def shrink_sample(shapes: list[Shape]) -> tuple[list[Shape], str]:
     shrunk = []
     for index in picked:
         tokens, prompt, images = shapes[index]
-        new = max(1, round(tokens * scale))
-        if prompt == 0 or prompt == tokens:
+        both = 0 < prompt < tokens  # a prompt and a response: at least one token of each stays
+        new = max(2 if both else 1, round(tokens * scale))
+        if not both:
             new_prompt = 0 if prompt == 0 else new
         else:
-            new_prompt = min(max(1, round(prompt * scale)), max(new - 1, 1))
+            new_prompt = min(max(1, round(prompt * scale)), new - 1)
         shrunk.append(Shape(new, new_prompt, tuple(sorted({min(round(at * scale), new - 1) for at in images}))))
     notes = []
     if len(picked) < count:

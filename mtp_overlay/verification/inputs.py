@@ -26,6 +26,8 @@ def read_hf_config(path: str | os.PathLike[str]) -> dict[str, object]:
             values = json.load(handle)
     except json.JSONDecodeError as error:
         raise ValueError(f"--hf-config {file}: not JSON ({error.msg}, line {error.lineno})") from None
+    except UnicodeDecodeError as error:
+        raise ValueError(f"--hf-config {file}: {not_utf8(error)} (a config.json is UTF-8 JSON)") from None
     except OSError as error:
         raise ValueError(f"--hf-config {file}: {error.strerror or error}") from None
     if not isinstance(values, dict):
@@ -37,14 +39,29 @@ def read_hf_config(path: str | os.PathLike[str]) -> dict[str, object]:
     return values
 
 
+def not_utf8(error: UnicodeDecodeError) -> str:
+    """A file's UTF-8 decoding error in words: the first byte that is not UTF-8 and where."""
+    return f"not UTF-8 text (byte {error.object[error.start]:#04x} at offset {error.start})"
+
+
 def check_provider_path(path: str) -> str:
-    """``path`` as given, if it has the shape ``MODULE:NAME`` or ``FILE.py:NAME``."""
+    """``path`` as given, if it has the shape ``MODULE:NAME`` or ``FILE.py:NAME``; a ``FILE.py`` must
+    compile (its syntax errors named with their line before any rank imports it; it is not run here)."""
     where, _, name = path.rpartition(":")
     if not where or not name.isidentifier():
         raise ValueError(f"--provider must be MODULE:NAME or FILE.py:NAME (a provider, its class, or a function "
                          f"returning a provider or a recipe's ConfigContainer), got {path!r}")
-    if where.endswith(".py") and not os.path.isfile(where):
-        raise ValueError(f"--provider {path}: no such file {where}")
+    if where.endswith(".py"):
+        if not os.path.isfile(where):
+            raise ValueError(f"--provider {path}: no such file {where}")
+        try:
+            with open(where, "rb") as handle:
+                compile(handle.read(), where, "exec", dont_inherit=True)
+        except SyntaxError as error:  # a file that is not UTF-8 and declares no encoding is one too
+            where_and_why = f"{where}:{error.lineno}: {type(error).__name__}: {error.msg}"
+            raise ValueError(f"--provider {path}: {where_and_why}") from None
+        except OSError as error:
+            raise ValueError(f"--provider {path}: {error.strerror or error}") from None
     return path
 
 

@@ -63,10 +63,11 @@ class Layout:
 
     @property
     def name(self) -> str:
-        """``"TP2xCP2+SP"``, ``"CP2"``, ``"TP2xEP2+SP"``, ``"TP1"`` (ETP and PP named when they are set)."""
+        """``"TP2xCP2+SP"``, ``"CP2"``, ``"TP2xEP2+SP"``, ``"TP1"`` (ETP named whenever it is set:
+        ``"TP1xETP2"``, ``"TP2xEP2xETP1+SP"``)."""
         parts = [f"{key.upper()}{getattr(self, key)}" for key in ("tp", "cp", "ep", "pp") if getattr(self, key) > 1]
-        if self.etp is not None and self.ep > 1:
-            parts.append(f"ETP{self.etp}")
+        if self.etp is not None:
+            parts = (parts or ["TP1"]) + [f"ETP{self.etp}"]
         return "x".join(parts or ["TP1"]) + ("+SP" if self.sp else "")
 
     def as_dict(self) -> dict[str, object]:

@@ -134,7 +134,9 @@ class Need:
 @dataclasses.dataclass(frozen=True)
 class Report:
     """What ``mtp-overlay verify`` found. ``ok``: the overlay's MTP training equals the references';
-    ``exit_code``: 0 then, 1 otherwise."""
+    ``exit_code``: 0 then, 1 otherwise. ``layout``: the layout that ran; ``asked``: the layout asked for
+    when a smaller one ran instead (above ``--max-ranks``), None when it ran itself: ``ok`` then says
+    nothing of the asked one."""
 
     model: str
     layout: str
@@ -152,6 +154,7 @@ class Report:
     notes: tuple[str, ...]
     phases: tuple[tuple[str, float], ...]
     tolerance: float
+    asked: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -173,7 +176,8 @@ class Report:
 
     def as_dict(self) -> dict[str, object]:
         return dict(
-            ok=self.ok, exit_code=self.exit_code, model=self.model, layout=self.layout, packing=self.packing,
+            ok=self.ok, exit_code=self.exit_code, model=self.model, layout=self.layout,
+            asked_layout=self.asked or self.layout, asked_layout_verified=self.asked is None, packing=self.packing,
             tolerance=self.tolerance, shrunk=self.shrunk, built=self.built, sample=self.sample,
             reference=self.reference.as_dict(), stock=self.stock.as_dict(), overlay=self.overlay.as_dict(),
             without=[case.as_dict() for case in self.ablations], search=[case.as_dict() for case in self.search],
@@ -187,7 +191,8 @@ class Report:
 
     def text(self) -> str:
         """The report as ``mtp-overlay verify`` prints it."""
-        lines = [f"== mtp-overlay verify: {self.model}, {self.layout}, packing {self.packing}", ""]
+        ran = self.layout if self.asked is None else f"{self.layout} (asked: {self.asked}, not run: above --max-ranks)"
+        lines = [f"== mtp-overlay verify: {self.model}, {ran}, packing {self.packing}", ""]
         lines += ["what was shrunk (CPU size):"]
         lines += [f"   {c['key']}: {c['original']} -> {c['value']}" + (f"  ({c['why']})" if c["why"] else "")
                   for c in _dicts(self.shrunk.get("shrunk"))] or ["   nothing"]
@@ -223,7 +228,7 @@ class Report:
         lines += ["", "the overlay without its fixes:"] + [
             f"   {case.name}: " + ("; ".join(case.problems()) if case.differs else "equals the references")
             for case in self.ablations]
-        lines += ["", "fixes this config needs:"]
+        lines += ["", f"fixes this config needs at {self.layout}:"]
         for need in self.needs:
             lines += [f"   {need.fix}: without it, {need.why}"]
             if need.required_by:
@@ -250,6 +255,8 @@ class Report:
         lines += ["phases: " + ", ".join(f"{name} {seconds:.1f} s" for name, seconds in self.phases)]
         verdict = ("OK: the overlay's MTP training equals the references" if self.ok
                    else "DIFFERS: the overlay's MTP training differs from the references")
+        if self.asked is not None:
+            verdict += f" at {self.layout}; the asked layout {self.asked} was NOT verified (above --max-ranks)"
         lines += ["", verdict + f" (exit {self.exit_code})"]
         return "\n".join(lines)
 

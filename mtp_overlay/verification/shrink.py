@@ -72,6 +72,8 @@ ROLES: dict[str, tuple[tuple[str, ...], str]] = {
     "tied": (("tie_word_embeddings",), "share_embeddings_and_output_weights"),
     "scatter": (("scatter_embedding_sequence_parallel",), "scatter_embedding_sequence_parallel"),
 }
+# sizes no model has 0 of (0 key/value heads is no GQA ratio: refused, never reshaped)
+POSITIVE = frozenset({"hidden", "heads", "query_groups", "head_dim", "vocab"})
 # provider fields read off a provider given by its module path (beyond ROLES): what the report keeps
 PROVIDER_EXTRAS = ("moe_token_dispatcher_type", "moe_router_score_function", "moe_shared_expert_intermediate_size",
                    "moe_router_group_topk", "normalization", "activation_func", "position_embedding_type")
@@ -191,8 +193,10 @@ class _Config:
         value = self.get(role)
         if value is None:
             return None
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise ValueError(f"the config's {self.key(role)} must be a non-negative integer, got {value!r}")
+        least = 1 if role in POSITIVE else 0
+        if not isinstance(value, int) or isinstance(value, bool) or value < least:
+            kind = "a positive" if least else "a non-negative"
+            raise ValueError(f"the config's {self.key(role)} must be {kind} integer, got {value!r}")
         return value
 
     def set(self, role: str, value: object, why: str = "", *, key: str | None = None) -> None:
@@ -216,7 +220,7 @@ def shrink(values: Mapping[str, object], layout: Layout, *, keyspace: str = "hf"
     config = _Config(values, keyspace)
     pattern, mtp_pattern = _patterns(config)
     check_stand_ins(config, pattern, mtp_pattern)
-    depth = _mtp(config, mtp_num_layers, repeated_layer, mtp_pattern)
+    depth = _mtp(config, mtp_num_layers, repeated_layer, pattern, mtp_pattern)
     check_layout(config, layout, pattern, mtp_pattern)
     kept: list[tuple[str, object]] = [("MTP depth", depth)]
     if scatter_embedding_sequence_parallel is not None:
@@ -425,7 +429,8 @@ def _symbol(name: object, config: _Config, role: str) -> str:
     return symbols[str(name)]
 
 
-def _mtp(config: _Config, depth: int | None, repeated: bool | None, mtp_pattern: str | None) -> int:
+def _mtp(config: _Config, depth: int | None, repeated: bool | None, pattern: str | None,
+         mtp_pattern: str | None) -> int:
     if depth is not None:
         if not isinstance(depth, int) or isinstance(depth, bool) or depth < 1:
             raise ValueError(f"--mtp-num-layers must be a positive integer, got {depth!r}")
@@ -434,9 +439,12 @@ def _mtp(config: _Config, depth: int | None, repeated: bool | None, mtp_pattern:
     if found < 1:
         raise ValueError(f"the config has no MTP layers ({config.key('mtp_depth')} is {config.get('mtp_depth')!r}): "
                          "give --mtp-num-layers N to verify it with N")
-    if config.get("pattern") is not None or mtp_pattern is not None:
-        if not mtp_pattern:
-            raise ValueError("a hybrid config with MTP needs mtp_hybrid_override_pattern (the MTP block's layers)")
+    if pattern is not None and not mtp_pattern:
+        listed = next((key for key in LIST_KEYS["mtp_pattern"] if key in config.values), None)
+        key = listed or config.key("mtp_pattern")
+        raise ValueError(f"the config's {config.key('mtp_depth')} is {found}, but its {key} is "
+                         f"{config.values.get(key)!r}: a hybrid model's MTP block needs its layers (e.g. "
+                         + ("['full_attention', 'moe']" if listed else "'*E'") + ")")
     if repeated is not None:
         config.set("repeated_layer", repeated, "--repeated-layer")
     return found

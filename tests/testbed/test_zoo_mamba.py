@@ -307,3 +307,29 @@ def test_layouts_equal_the_tp1_reference(tp1, layout):
     # per Mamba layer and forward, upstream un-balances the CP layout before the scan and re-balances it
     # after, asking the partitioning of every CP rank each time
     assert facts["thd partitionings"] == ({"thd_get_partitioned_indices": 2 * cp * MAMBA_LAYERS} if cp > 1 else {})
+
+
+def test_a_gated_fc1_is_unsharded_by_its_partition_stride_as_megatron_core_draws_it():
+    """A gated MLP's (SwiGLU) linear_fc1 carries ``partition_stride`` 2: megatron-core's own CPU
+    initialisation (``_initialize_affine_weight_cpu``, called as ``MLP`` calls it, one TP rank at a time)
+    gives rank r [gate_r; up_r] of the master weight. tp_unshard puts the shards back into the master
+    weight, tp_shard draws them; concatenating the shards (the layout without the stride) does not."""
+    import torch
+    from megatron.core.tensor_parallel.layers import _initialize_affine_weight_cpu
+
+    from mtp_overlay.testing.tp_layout import tp_shard, tp_unshard
+
+    ffn, hidden, tp = 6, 4, 2
+    shards, master = [], None
+    for rank in range(tp):
+        shard = torch.nn.Parameter(torch.empty(2 * ffn // tp, hidden), requires_grad=False)
+        torch.manual_seed(7)
+        master = _initialize_affine_weight_cpu(shard, 2 * ffn, hidden, 2 * ffn // tp, 0, torch.nn.init.normal_,
+                                               stride=2, return_master_weight=True, rank=rank, world_size=tp)
+        shards.append(shard)
+    assert shards[0].partition_stride == 2
+    gate, up = master.chunk(2)
+    assert torch.equal(shards[1], torch.cat([gate.chunk(tp)[1], up.chunk(tp)[1]]))
+    assert torch.equal(tp_unshard(shards, shards[0]), master)
+    assert not torch.equal(torch.cat(shards), master)
+    assert all(torch.equal(tp_shard(master, shards[0], tp, rank), shards[rank]) for rank in range(tp))

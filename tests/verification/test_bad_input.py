@@ -130,3 +130,72 @@ def test_the_api_takes_the_same_arguments_and_raises_the_same_errors(tmp_path):
     import mtp_overlay
 
     assert mtp_overlay.verify is verification.verify
+
+
+def test_files_that_are_not_utf8_are_named_by_their_flag(tmp_path, capsys):
+    (tmp_path / "config.json").write_bytes(b'{"model_type": "nemotron_h", "name": "\xff"}')
+    code, err = run(capsys, "--hf-config", str(tmp_path))
+    assert code == 2 and f"--hf-config {tmp_path / 'config.json'}: not UTF-8 text (byte 0xff at offset 38)" in err
+    sample = tmp_path / "sample.jsonl"
+    sample.write_bytes(b'{"tokens": 12, "prompt": 3}\n\xfe\n')
+    code, err = run(capsys, "--hf-config", str(CONFIG), "--data", str(sample))
+    assert code == 2 and f"--data {sample}: not UTF-8 text (byte 0xfe at offset 28)" in err
+    assert "codec" not in err and "Traceback" not in err
+
+
+def test_a_hybrid_config_with_mtp_depth_and_no_mtp_layers_is_named(tmp_path, capsys):
+    """The list form transformers 5 writes (``mtp_layers_block_type``), empty, and the string form, empty."""
+    values = json.loads((CONFIG / "config.json").read_text())
+    names = {"M": "linear_attention", "E": "moe", "*": "full_attention", "-": "mlp"}
+    listed = {key: value for key, value in values.items() if not key.endswith("hybrid_override_pattern")}
+    listed.update(layers_block_type=[names[s] for s in values["hybrid_override_pattern"]], mtp_layers_block_type=[])
+    (tmp_path / "config.json").write_text(json.dumps(listed))
+    code, err = run(capsys, "--hf-config", str(tmp_path))
+    assert code == 2 and "num_nextn_predict_layers is 2, but its mtp_layers_block_type is []" in err, err
+    (tmp_path / "config.json").write_text(json.dumps({**values, "mtp_hybrid_override_pattern": ""}))
+    code, err = run(capsys, "--hf-config", str(tmp_path))
+    assert code == 2 and "num_nextn_predict_layers is 2, but its mtp_hybrid_override_pattern is ''" in err, err
+
+
+def test_zero_key_value_heads_is_refused_not_reshaped(tmp_path, capsys):
+    values = json.loads((CONFIG / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**values, "num_key_value_heads": 0}))
+    code, err = run(capsys, "--hf-config", str(tmp_path))
+    assert code == 2 and "the config's num_key_value_heads must be a positive integer, got 0" in err, err
+
+
+def test_a_provider_file_with_a_syntax_error_is_named_with_its_line_before_any_rank(tmp_path, capsys):
+    recipe = tmp_path / "f.py"
+    recipe.write_text("import os\n\ndef provider():\n    return dict(a=1,\n\nx = 3\n")
+    code, err = run(capsys, "--provider", f"{recipe}:provider")
+    assert code == 2 and f"--provider {recipe}:provider: {recipe}:4: SyntaxError: '(' was never closed" in err, err
+    recipe.write_bytes(b"name = '\xff'\n")
+    code, err = run(capsys, "--provider", f"{recipe}:provider")
+    assert code == 2 and f"{recipe}:1: SyntaxError" in err and "utf-8" in err.lower(), err
+
+
+def test_a_provider_that_raises_is_named_with_the_flag_and_its_line(tmp_path):
+    """The engine runs the user's provider code in its ranks (it imports Megatron-Bridge): what it raises
+    comes back as the engine's named error (a PlanError: the product prints its message, exit 2) with the
+    user's file and line, not the engine's traceback. The loader itself, without ranks or Bridge."""
+    from mtp_overlay.testing.verify import PlanError, users_code
+
+    recipe = tmp_path / "f.py"
+    recipe.write_text("def helper(size):\n    return 1 // size\n\n\ndef provider():\n    return helper(0)\n")
+    namespace = {}
+    exec(compile(recipe.read_text(), str(recipe), "exec"), namespace)
+    with pytest.raises(PlanError) as raised:
+        users_code(f"{recipe}:provider", "provider()", namespace["provider"])
+    message = str(raised.value)
+    assert message == (f"--provider {recipe}:provider: provider() raised ZeroDivisionError: integer division or "
+                       f"modulo by zero (at {recipe}:2)")
+    with pytest.raises(ValueError, match=f"^--provider {recipe}:provider: provider\\(\\) raised"):
+        verification._raise_plan_error({"error": message})  # named as it is, not as "cannot build"
+
+
+def test_etp_is_named_wherever_it_is_set():
+    from mtp_overlay.verification.layout import Layout
+
+    assert Layout(etp=2).name == "TP1xETP2" and Layout(etp=2).world_size == 2
+    assert Layout(tp=2, ep=2, etp=1, sp=True).name == "TP2xEP2xETP1+SP"
+    assert Layout(tp=2, sp=True).name == "TP2+SP"

@@ -210,3 +210,44 @@ def test_each_pair_of_fixes_that_read_each_other_is_ablated_once():
     assert set(pairs) == {frozenset((a, b)) for a in fixes for b in declarations.load(a).reads if b in fixes}
     for label, kept in cases:
         assert not any(fix in label.split(" and ") or f"without {fix}" in label for fix in kept)
+
+
+@PROPERTY
+@given(st.lists(st.tuples(st.integers(1, 5000), st.integers(0, 5000)), min_size=1, max_size=data.MAX_SEQUENCES))
+def test_a_shrunk_sample_keeps_a_prompt_and_a_response_where_a_sequence_had_both(pairs):
+    """Whatever the ratio of the lengths (4000 tokens beside 10), a sequence with a prompt and a response
+    keeps at least one token of each; one all prompt or all response stays so."""
+    shapes = [data.Shape(tokens, min(prompt, tokens)) for tokens, prompt in pairs]
+    shrunk, _ = data.shrink_sample(shapes)
+    assert len(shrunk) == len(shapes)
+    for before, after in zip(shapes, shrunk):
+        assert 1 <= after.tokens <= data.MAX_LENGTH
+        assert (0 < after.prompt < after.tokens) == (0 < before.prompt < before.tokens)
+        assert (after.prompt == 0) == (before.prompt == 0)
+        assert (after.prompt == after.tokens) == (before.prompt == before.tokens)
+    assert data.shrink_sample([data.Shape(4000, 1000), data.Shape(10, 3)])[0][1] == data.Shape(2, 1)
+
+
+def test_a_layout_above_max_ranks_is_named_as_not_verified_and_what_ran_is_named_everywhere():
+    """``--tp 2 --cp 2 --sp --max-ranks 1`` runs TP1: the table, the header, the verdict and the JSON name
+    TP1 as what ran and say the asked TP2xCP2+SP was not verified; exit 0 is for what ran."""
+    from saved_by_transformers import CONFIGS, OracleEngine
+
+    from mtp_overlay import verification
+
+    config = CONFIGS / "nemotron_h_like"
+    engine = OracleEngine()
+    found = verification.verify(config, tp=2, cp=2, sp=True, max_ranks=1, engine=engine)
+    assert engine.layouts[1:] == [dict(tp=1, cp=1, pp=1, ep=1, etp=None, sp=False)]
+    assert found.exit_code == 0 and found.layout == "TP1" and found.asked == "TP2xCP2+SP"
+    text = found.text()
+    assert text.startswith("== mtp-overlay verify: NemotronHForCausalLM, TP1 (asked: TP2xCP2+SP, not run")
+    assert "| NemotronHForCausalLM | thd-padded | TP1 |" in text and "fixes this config needs at TP1:" in text
+    assert text.rstrip().endswith("at TP1; the asked layout TP2xCP2+SP was NOT verified (above --max-ranks) (exit 0)")
+    as_json = found.as_dict()
+    assert (as_json["layout"], as_json["asked_layout"], as_json["asked_layout_verified"]) == ("TP1", "TP2xCP2+SP",
+                                                                                            False)
+    engine = OracleEngine()
+    same = verification.verify(config, etp=2, ep=1, engine=engine)  # the expert TP size is named, never "TP1"
+    assert same.asked is None and same.as_dict()["asked_layout_verified"] is True and "NOT verified" not in same.text()
+    assert same.layout == "TP1xETP2" and engine.layouts[1]["etp"] == 2 and "| thd-padded | TP1xETP2 |" in same.text()

@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from saved_by_transformers import nemotron_h, saved
+
 from mtp_overlay import verification
 from mtp_overlay.testing.bridge import BRIDGE_MISSING, bridge_installed
 from mtp_overlay.verification import data
@@ -80,13 +82,14 @@ def test_the_engine_answers_a_bad_request_without_starting_ranks():
 @needs_bridge
 def test_a_nemotron_h_folder_at_tp2_sp_real_lengths_needs_sp_scatter_and_packed_roll(tmp_path):
     """The issue's command: ``verify --hf-config <NemotronH folder> --tp 2 --sp --cp 1 --packing
-    thd-real-lengths`` with ``scatter_embedding_sequence_parallel: false`` in the config (Nemotron
-    VL/Omni's language model): stock crashes; the overlay equals both references (exit 0); the fixes it
-    needs are named with the rows that show why."""
-    values = json.loads((CONFIG / "config.json").read_text())
-    (tmp_path / "config.json").write_text(json.dumps({**values, "scatter_embedding_sequence_parallel": False}))
+    thd-real-lengths`` on the folder ``NemotronHConfig(...).save_pretrained`` writes (``layers_block_type``
+    lists, ``time_step_limit`` with transformers' encoding of inf), ``scatter_embedding_sequence_parallel:
+    false`` in it (Nemotron VL/Omni's language model): stock crashes; the overlay equals both references
+    (exit 0); the fixes it needs are named with the rows that show why."""
+    folder = nemotron_h(tmp_path, scatter_embedding_sequence_parallel=False)  # as transformers saves it
+    assert json.loads((folder / "config.json").read_text())["time_step_limit"] == [0.0, {"__float__": "Infinity"}]
     lines = []
-    report = verification.verify(tmp_path, tp=2, sp=True, cp=1, packing="thd-real-lengths", engine=engine(lines),
+    report = verification.verify(folder, tp=2, sp=True, cp=1, packing="thd-real-lengths", engine=engine(lines),
                                  progress=lines.append)
     assert report.exit_code == 0 and report.ok, report.text()
     assert report.built["model"] == "HybridModel" and report.built["hybrid_layer_pattern"] == "ME*/*E/*E"
@@ -109,20 +112,25 @@ def test_a_nemotron_h_folder_at_tp2_sp_real_lengths_needs_sp_scatter_and_packed_
 @pytest.mark.slow
 @needs_bridge
 def test_every_family_the_test_bed_builds_verifies_and_what_it_cannot_build_is_named(tmp_path):
-    """Qwen3 through Bridge (a Hugging Face config, CP2), GPT (a provider in a Python file, TP1) and
-    NemotronH with M, E and * layers (the previous test) verify; a family Bridge cannot build is a
-    ValueError naming Bridge's refusal."""
-    from transformers import Qwen3Config
+    """Qwen3 and Qwen3-MoE through Bridge (folders transformers saved), GPT (a provider in a Python file, TP1)
+    and NemotronH with M, E and * layers (the previous test) verify; a family Bridge cannot build is a
+    ValueError naming Bridge's refusal. Qwen3's gated MLP (SwiGLU) at TP2 (each rank's fc1 [gate_r; up_r]:
+    gathered by its partition layout) and Qwen3-MoE at EP2 (every expert drawn on every rank: the EP2 model
+    holds the reference's weights, its LM loss is the reference's) are no false alarm."""
+    from transformers import Qwen3Config, Qwen3MoeConfig
 
-    qwen3 = Qwen3Config(architectures=["Qwen3ForCausalLM"], hidden_size=1024, intermediate_size=3072,
-                        num_attention_heads=16, num_key_value_heads=8, head_dim=64, num_hidden_layers=28,
-                        vocab_size=151936, num_nextn_predict_layers=1, tie_word_embeddings=True).to_dict()
-    (tmp_path / "qwen3").mkdir()
-    (tmp_path / "qwen3" / "config.json").write_text(json.dumps(qwen3))
-    report = verification.verify(tmp_path / "qwen3", cp=2, packing="thd-padded", engine=engine(), search=False)
+    qwen3 = saved(Qwen3Config(architectures=["Qwen3ForCausalLM"], hidden_size=256, num_attention_heads=6,
+                              num_key_value_heads=2, head_dim=32, intermediate_size=512, num_hidden_layers=3,
+                              num_nextn_predict_layers=1, tie_word_embeddings=True), tmp_path / "qwen3")
+    report = verification.verify(qwen3, tp=2, engine=engine(), search=False)
     assert report.ok and report.built["model"] == "GPTModel", report.text()
     assert report.built["share_embeddings_and_output_weights"] is True
-    assert [need.fix for need in report.needs] == ["mtp-cp-loss-scale"]
+    assert report.overlay.grad_relerr["lm"] <= 1e-6 and report.needs == ()
+    moe = saved(Qwen3MoeConfig(architectures=["Qwen3MoeForCausalLM"], num_experts=8, num_experts_per_tok=2,
+                               num_nextn_predict_layers=2), tmp_path / "qwen3_moe")
+    report = verification.verify(moe, ep=2, engine=engine(), search=False)
+    assert report.ok and report.layout == "EP2" and report.built["num_moe_experts"] == 4, report.text()
+    assert abs(report.stock.lm_loss - report.reference.lm_loss) <= 1e-6 * report.reference.lm_loss
 
     recipe = tmp_path / "my_recipe.py"
     recipe.write_text(
