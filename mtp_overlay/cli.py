@@ -60,8 +60,8 @@ def _check(args: argparse.Namespace) -> int:
     stock_run: "Callable[[str], tuple[bool, str]] | None" = None
     imports: "contextlib.AbstractContextManager[None]" = contextlib.nullcontext()
     if args.run_stock:
-        from .testing import reproducers  # the test bed, reached only from `check --run`
-        from .testing.bridge import import_stand_ins
+        from .bed import fixes as reproducers  # the test bed, reached only from `check --run`
+        from .bed.models.bridge import import_stand_ins
 
         stock_run = reproducers.stock_run
         # the targets import as the stock runs do: where an optional package of Bridge's is missing
@@ -99,7 +99,7 @@ def _stdout_to_stderr() -> "Iterator[None]":
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from .testing import demo  # the test bed, reached only from this command
+    from .bed.engines import demo  # the test bed, reached only from this command
 
     return demo.main()
 

@@ -359,3 +359,11 @@ def distribution_version(distribution: str) -> "str | None":
         return metadata.version(distribution)
     except metadata.PackageNotFoundError:
         return None
+
+
+# modules `import mtp_overlay` must never pull in: it runs in every interpreter once the startup hook is
+# installed (checked by tests/contract/test_lifecycle.py and scripts/bench_import.py)
+HEAVY_IMPORTS = (
+    "torch", "megatron", "vllm", "ray", "transformers", "wrapt", "importlib.metadata", "asyncio",
+    "packaging", "inspect", "json", "dataclasses",
+)

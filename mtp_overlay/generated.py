@@ -131,7 +131,7 @@ def fact_block(declaration: Declaration) -> str:
         links.append(f"backport of <{provenance.backport_of}>")
     code = ", ".join(f"[`{path.name}`]({path.name})" for path in sorted(folder.glob("*.py")))
     tests = ROOT / "tests" / "fixes" / folder.name
-    reproducer = PACKAGE / "testing" / "reproducers" / f"{folder.name}.py"
+    reproducer = PACKAGE / "bed" / "fixes" / f"{folder.name}.py"
     lines = [
         FACTS_BEGIN,
         f"# {declaration.name}",

@@ -249,7 +249,7 @@ def check(only: "str | Iterable[str] | None" = None, *,
     depend on which fixes are checked together.
 
     ``stock_run``: ``fix id -> (bug shows, evidence)``, the fix's stock code path run with the fix
-    off (the test bed's `mtp_overlay.testing.reproducers.stock_run`), raising an exception whose
+    off (the test bed's `mtp_overlay.bed.fixes.stock_run`), raising an exception whose
     one-line ``str()`` says why when it cannot run. Given one, every row the probe finds needed or
     redundant is run too; its `StockRun` goes in ``row.run``, and a run that behaves the other way
     than the probe reads makes the verdict `State.DISAGREES` (an upstream fix in another spelling).

@@ -3,7 +3,7 @@
 Writes the declaration, the fix module (its ``probe`` and ``wrappers`` raise NotImplementedError
 naming the file to edit, so the fix is `failed`, never silently `needed`, until they are written),
 the README (its why a placeholder), ``tests/fixes/<fix_id>/`` with a first test (the reproducer shows
-the bug on stock) and the reproducer stub ``mtp_overlay/testing/reproducers/<fix_id>.py``, then
+the bug on stock) and the reproducer stub ``mtp_overlay/bed/fixes/<fix_id>.py``, then
 regenerates the table and the READMEs' facts (`mtp_overlay.generated`). Every placeholder carries
 `PLACEHOLDER`, which a test refuses in a committed fix.
 """
@@ -80,7 +80,7 @@ what upstream has done about it. How the hook works belongs in the module docstr
 
 TEST = '''"""{fix_id}: the bug shows on the installed upstream with the fix off."""
 
-from mtp_overlay.testing.reproducers import reproduce
+from mtp_overlay.bed.fixes import reproduce
 
 
 def test_the_stock_path_shows_the_bug():
@@ -93,7 +93,7 @@ REPRODUCER = '''"""{fix_id} on stock {distribution}: {placeholder}: the stock co
 
 def reproduce():
     """Run the stock code path with the fix off: ``(bug_shows, evidence)``, the evidence one line."""
-    raise NotImplementedError("fix {fix_id!r} has no reproducer yet: write it in mtp_overlay/testing/reproducers/{folder}.py")
+    raise NotImplementedError("fix {fix_id!r} has no reproducer yet: write it in mtp_overlay/bed/fixes/{folder}.py")
 '''
 
 
@@ -146,7 +146,7 @@ def new_fix(fix_id: str, distribution: str, targets: "list[tuple[str, str]]",
                                                cls="".join(part.capitalize() for part in fix_id.split("-")) + "Fix"),
         package / "README.md": README.format(placeholder=PLACEHOLDER),
         root / "tests" / "fixes" / folder / f"test_{folder}.py": TEST.format(fix_id=fix_id),
-        generated.PACKAGE / "testing" / "reproducers" / f"{folder}.py": REPRODUCER.format(
+        generated.PACKAGE / "bed" / "fixes" / f"{folder}.py": REPRODUCER.format(
             fix_id=fix_id, distribution=distribution, placeholder=PLACEHOLDER, folder=folder),
     }
     existing = [path for path in files if path.exists()]
@@ -164,6 +164,6 @@ def next_steps(fix_id: str) -> str:
     """What to do after `new_fix`, for the CLI to print."""
     folder = fix_id.replace("-", "_")
     return (f"next: write the probe and wrappers in mtp_overlay/fixes/{folder}/__init__.py (until then the fix says "
-            f"failed), the reproducer in mtp_overlay/testing/reproducers/{folder}.py, the why in its README and every "
+            f"failed), the reproducer in mtp_overlay/bed/fixes/{folder}.py, the why in its README and every "
             f"{PLACEHOLDER} in its declaration; then python scripts/generate.py and "
             f"pytest tests/contract/test_fix_contract.py -k {fix_id} tests/fixes/{folder}")

@@ -15,7 +15,7 @@ import collections
 import statistics
 import sys
 
-from mtp_overlay.testing.launcher import run_ranks_checked
+from mtp_overlay.bed.runtime.launcher import run_ranks_checked
 
 FIX = "mtp-cp-loss-scale"
 MODES = {"2-output": (False, "2-output"), "3-output, per-token": (True, "3-output")}
@@ -32,8 +32,8 @@ def interleaved_steps(repeats, size):
     import torch
 
     import mtp_overlay
-    from mtp_overlay.testing.megatron_step import MegatronStep
-    from mtp_overlay.testing.tiny_gpt import build_tiny_gpt, make_batch
+    from mtp_overlay.bed.steps.megatron_step import MegatronStep
+    from mtp_overlay.bed.models.tiny_gpt import build_tiny_gpt, make_batch
 
     model_size, batch_size = SIZES[size]
     batch = make_batch(**batch_size)

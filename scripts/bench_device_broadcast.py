@@ -21,7 +21,7 @@ import torch
 
 import mtp_overlay  # installs the fix, to be found on vLLM's producer below
 from mtp_overlay.fixes.device_normalized_broadcast import normalizing_producer
-from mtp_overlay.testing.streams import HostCommunicator, host_streams
+from mtp_overlay.bed.runtime.streams import HostCommunicator, host_streams
 from vllm.distributed.weight_transfer import packed_tensor
 
 NAME = "device-normalized-broadcast"

@@ -1,7 +1,7 @@
 """Benchmark vllm-mtp-drafter-load: the cost per refit of accounting vLLM's MTP drafter loads, and the
 per-step cost of the freshness check.
 
-Builds vLLM's real ``NemotronHMTP`` on CPU (test bed `mtp_overlay.testing.vllm_drafter`), tiny and
+Builds vLLM's real ``NemotronHMTP`` on CPU (test bed `mtp_overlay.bed.steps.vllm_drafter`), tiny and
 wide, and refits it with its own MTP head in checkpoint naming, stock (the unwrapped
 ``load_weights``) and fixed (the hooked one inside ``drafter_refit``: observation, accounting, the
 report), interleaved pair by pair in one process. Each refit loads the stream in one call and in one
@@ -27,7 +27,7 @@ import warnings
 
 import mtp_overlay  # installs the fix on the drafter below
 from mtp_overlay.fixes.vllm_mtp_drafter_load import drafter_refit
-from mtp_overlay.testing.vllm_drafter import build_drafter, drafter_environment, refit_stream
+from mtp_overlay.bed.steps.vllm_drafter import build_drafter, drafter_environment, refit_stream
 
 SHAPES = {
     "tiny (hidden 32)": {},

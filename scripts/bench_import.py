@@ -13,7 +13,7 @@ import subprocess
 import sys
 import time
 
-from mtp_overlay.testing import HEAVY_IMPORTS as HEAVY
+from mtp_overlay.contract import HEAVY_IMPORTS as HEAVY
 
 ENV = {key: value for key, value in os.environ.items() if key != "PYTHONDONTWRITEBYTECODE"}  # bytecode is written
 

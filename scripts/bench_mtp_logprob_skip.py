@@ -12,7 +12,7 @@ Usage: PYTHONPATH=$PWD python scripts/bench_mtp_logprob_skip.py [repeats]  (defa
 import statistics
 import sys
 
-from mtp_overlay.testing.launcher import run_ranks_checked
+from mtp_overlay.bed.runtime.launcher import run_ranks_checked
 
 FIX = "mtp-logprob-skip"
 MODELS = {  # name -> (builder kind, model overrides, make_batch overrides)
@@ -31,9 +31,9 @@ def interleaved_forwards(name, repeats):
     import torch
 
     import mtp_overlay
-    from mtp_overlay.testing.bridge import build_bridge_model
-    from mtp_overlay.testing.tiny_gpt import make_batch
-    from mtp_overlay.testing.tiny_hybrid import build_zoo
+    from mtp_overlay.bed.models.bridge import build_bridge_model
+    from mtp_overlay.bed.models.tiny_gpt import make_batch
+    from mtp_overlay.bed.models.tiny_hybrid import build_zoo
 
     kind, overrides, batch_size = MODELS[name]
     model = (build_zoo(**overrides) if kind == "zoo" else build_bridge_model("nemotron_h_zoo")).train()

@@ -6,7 +6,7 @@ wrappers on megatron-core) and uninstalled (stock), so machine drift hits both s
 each switch one step runs untimed: a process installs the overlay once, so what a switch costs
 (CPython re-specialising the code whose classes and globals it patched) is not the overlay's.
 Prints the median step time of each side and their ratio (goal <= 1.01), and the host reads (device
-syncs on a GPU) of one step of each side by who made them (`mtp_overlay.testing.syncs`; the step's
+syncs on a GPU) of one step of each side by who made them (`mtp_overlay.bed.runtime.syncs`; the step's
 own logging, ``mtp_overlay.mtp.mtp_metrics``, reads the logged numbers on both sides): the
 installed overlay must add none in the default mode; ``--checks full`` shows what
 ``MTP_OVERLAY_CHECKS=full`` adds.
@@ -30,9 +30,9 @@ rank: other processes' load stays out of it more than out of wall time).
 import argparse
 import statistics
 
-from mtp_overlay.testing.launcher import run_ranks_checked
+from mtp_overlay.bed.runtime.launcher import run_ranks_checked
 
-MOE_MODEL = "zoo, aux loss"  # testing.parity's zoo with the MoE aux loss on
+MOE_MODEL = "zoo, aux loss"  # bed.engines.parity's zoo with the MoE aux loss on
 FIX = "mtp-moe-router"
 PROFILED_STEPS = 20
 MODEL_ONLY = "its model, no fix"  # the MoE step's side: the overlay-built model stepped by stock code
@@ -44,8 +44,8 @@ def interleaved_steps(repeats, checks=None):
     from megatron.core import parallel_state
 
     import mtp_overlay
-    from mtp_overlay.testing.syncs import SyncCounter, checks_mode
-    from mtp_overlay.testing.tiny_gpt import build_tiny_gpt, make_batch, train_step
+    from mtp_overlay.bed.runtime.syncs import SyncCounter, checks_mode
+    from mtp_overlay.bed.models.tiny_gpt import build_tiny_gpt, make_batch, train_step
 
     model = build_tiny_gpt(sequence_parallel=parallel_state.get_tensor_model_parallel_world_size() > 1)
     batch = make_batch(batch_size=4, seq_length=64)
@@ -96,8 +96,9 @@ def interleaved_moe_steps(repeats):
 
     import mtp_overlay
     from mtp_overlay.fixes import mtp_moe_router
-    from mtp_overlay.testing import moe, parity
-    from mtp_overlay.testing.megatron_step import MegatronStep
+    from mtp_overlay.bed.steps import moe
+    from mtp_overlay.bed.engines import parity
+    from mtp_overlay.bed.steps.megatron_step import MegatronStep
 
     sp = parallel_state.get_tensor_model_parallel_world_size() > 1
     folder = os.path.dirname(mtp_moe_router.__file__)

@@ -41,7 +41,7 @@ def time_rolls(repeats):
     from megatron.core.transformer import multi_token_prediction as mtp
 
     from mtp_overlay.fixes.mtp_packed_roll import roll_packed_seq_params
-    from mtp_overlay.testing.packed_reference import cp_local, packed_params
+    from mtp_overlay.bed.oracles.packed_reference import cp_local, packed_params
 
     group = parallel_state.get_context_parallel_group()
     size, rank = group.size(), group.rank()
@@ -75,7 +75,7 @@ def time_rolls(repeats):
 
 
 def main():
-    from mtp_overlay.testing.launcher import run_ranks_checked
+    from mtp_overlay.bed.runtime.launcher import run_ranks_checked
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=7)

@@ -21,7 +21,7 @@ from mtp_overlay.contract import State
 from mtp_overlay.patching import engine
 from mtp_overlay.patching.locate import find_distribution
 from mtp_overlay.patching.manifest import load
-from mtp_overlay.testing.releases import copy_installed
+from mtp_overlay.bed.runtime.releases import copy_installed
 
 BUDGETS = {"check": 1.0, "apply+revert": 2.0}
 

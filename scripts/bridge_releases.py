@@ -1,6 +1,6 @@
 """Print which Megatron-Bridge releases install and import here, and whether each has the three MTP defects.
 
-Each release is installed side by side (``pip install --no-deps --target``, mtp_overlay.testing.releases;
+Each release is installed side by side (``pip install --no-deps --target``, mtp_overlay.bed.runtime.releases;
 the venv's own for its version) and imported in a fresh interpreter with the venv's megatron-core and
 the test bed's stand-ins (``import megatron.bridge``, then ``training.gpt_step``). Per defect, the
 release's source (read, not imported) and, where it imports, its behaviour:
@@ -23,7 +23,7 @@ import json
 import sys
 from pathlib import Path
 
-from mtp_overlay.testing.releases import installed_site, release_site, run_with_release
+from mtp_overlay.bed.runtime.releases import installed_site, release_site, run_with_release
 
 RELEASES = ("0.6.2", "0.6.0", "0.5.1", "0.5.0", "0.4.2", "0.4.1", "0.4.0", "0.3.1", "0.3.0")
 
@@ -37,8 +37,8 @@ def where(error):
 
 facts = {}
 try:
-    from mtp_overlay.testing.bridge import _local_overrides, import_bridge
-    from mtp_overlay.testing.bridge_step import import_gpt_step
+    from mtp_overlay.bed.models.bridge import local_overrides, import_bridge
+    from mtp_overlay.bed.steps.bridge_step import import_gpt_step
     step = "megatron.bridge"
     import_bridge()
     step = "gpt_step"
@@ -53,7 +53,7 @@ try:
     provider = HybridModelProvider(hybrid_layer_pattern="*-*-", mtp_hybrid_override_pattern="*-",
                                    mtp_use_repeated_layer=True, mtp_num_layers=0, hidden_size=64,
                                    ffn_hidden_size=128, num_attention_heads=4, vocab_size=128)
-    provider.apply_overrides_and_finalize(dtype=torch.float32, overrides=_local_overrides(provider))
+    provider.apply_overrides_and_finalize(dtype=torch.float32, overrides=local_overrides(provider))
     facts["finalized_at_0"] = provider.hybrid_layer_pattern
 except Exception as error:
     facts.setdefault("imports", f"no: {step}: {type(error).__name__}: {str(error)[:120]} ({where(error)})")

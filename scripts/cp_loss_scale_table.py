@@ -2,14 +2,14 @@
 
 Megatron's own step (get_forward_backward_func -> DDP -> finalize_model_grads) on the tiny GPT with
 one MTP layer, batch 2 x 32, every loss mode and mask of
-mtp_overlay.testing.reproducers.mtp_cp_loss_scale, stock megatron-core (fix off) and fixed (fix on)
+mtp_overlay.bed.fixes.mtp_cp_loss_scale, stock megatron-core (fix off) and fixed (fix on)
 side by side. relerr = |g - g_CP1| / |g_CP1|. Usage: PYTHONPATH=$PWD python scripts/cp_loss_scale_table.py
 """
 
 import time
 
-from mtp_overlay.testing.launcher import run_ranks_checked
-from mtp_overlay.testing.reproducers.mtp_cp_loss_scale import MASKS, MODES, measure
+from mtp_overlay.bed.runtime.launcher import run_ranks_checked
+from mtp_overlay.bed.fixes.mtp_cp_loss_scale import MASKS, MODES, measure
 
 
 def both(sequence_parallel=False):

@@ -7,7 +7,7 @@
 #
 # Rows: the GPU-marked tests; `mtp-overlay demo` and `mtp-overlay verify --hf-config
 # tests/verification/configs/nemotron_h_like` on this host (their ranks run on CPU with CUDA hidden,
-# the host's CUDA in use by the caller); the hot path (mtp_overlay/testing/gpu_check.py): a 655M and a
+# the host's CUDA in use by the caller); the hot path (mtp_overlay/bed/engines/gpu_check.py): a 655M and a
 # 22M-parameter GPTModel in bf16 through Float16Module (on CPU: a tiny one in fp32), BSHD, THD padded
 # and THD real-lengths, stock and with every fix: MTP loss per depth, syncs per step (aten-level counter,
 # and CUDA's own detector), aten ops, step time (interleaved, median), the refit fingerprint's speed.
@@ -94,7 +94,7 @@ fi
 row "demo" "$python" -m mtp_overlay.cli demo
 row "verify nemotron_h_like" "$python" -m mtp_overlay.cli verify --hf-config tests/verification/configs/nemotron_h_like
 engine_out=$(mktemp -t mtp-overlay-gpu-check-engine-XXXXXX.txt)
-row "hot path" bash -c "'$python' -m mtp_overlay.testing.gpu_check ${engine[*]} > '$engine_out'"
+row "hot path" bash -c "'$python' -m mtp_overlay.bed.engines.gpu_check ${engine[*]} > '$engine_out'"
 
 table=$(
   echo "== scripts/gpu_check.sh ($mode mode) on $(hostname), $(date -u +%Y-%m-%dT%H:%MZ): $machine"

@@ -1,6 +1,6 @@
 """Print the host reads (device syncs on a GPU) of Megatron's step on the packed THD path, by who made them.
 
-Per layout (TP1, CP2, TP2+SP) and step (`mtp_overlay.testing.hot_path`): first step, every later
+Per layout (TP1, CP2, TP2+SP) and step (`mtp_overlay.bed.engines.hot_path`): first step, every later
 step, full-length rows, ``MTP_OVERLAY_CHECKS=full``, stock; rank 0's reads of the forward+backward
 by origin, and where the overlay's were made.
 
@@ -10,8 +10,8 @@ by origin, and where the overlay's were made.
 import argparse
 import collections
 
-from mtp_overlay.testing import hot_path
-from mtp_overlay.testing.syncs import ORIGINS
+from mtp_overlay.bed.engines import hot_path
+from mtp_overlay.bed.runtime.syncs import ORIGINS
 
 
 def main():

@@ -14,8 +14,8 @@ from pathlib import Path
 from mtp_overlay import declarations
 from mtp_overlay.contract import distribution_version
 from mtp_overlay.patching.manifest import DEFAULT_PATH, FORMAT
-from mtp_overlay.testing.patch_images import measure, patches_for, released_files
-from mtp_overlay.testing.releases import installed_site, release_site
+from mtp_overlay.bed.engines.patch_images import measure, patches_for, released_files
+from mtp_overlay.bed.runtime.releases import installed_site, release_site
 
 ABOUT = (
     "Measured sha256 of every file a source patch touches, per distribution and release: as released and "

@@ -9,7 +9,7 @@ PP2 and TP2xPP2+SP (Megatron's pipelined schedule).
 
 Megatron's own training step (DDP, get_forward_backward_func, finalize_model_grads), RL forward
 (labels=None) with a response-only loss mask, per-token 3-output loss; one rank pool per parallelism
-(mtp_overlay.testing.parity). References: BSHD at TP1; for packed THD rows each sequence alone,
+(mtp_overlay.bed.engines.parity). References: BSHD at TP1; for packed THD rows each sequence alone,
 unpacked, at TP1. --compose: HybridModel on the unpadded THD row (NeMo-RL's
 model_slices_context_parallel_inputs flavour), every subset that matters of the megatron-core fixes,
 MTP-block / rest-of-model gradient relerr against each sequence alone at TP1; and the zoo with the MoE
@@ -24,8 +24,8 @@ import os
 import tempfile
 import time
 
-from mtp_overlay.testing import parity
-from mtp_overlay.testing.bridge import BRIDGE_MISSING, bridge_installed
+from mtp_overlay.bed.engines import parity
+from mtp_overlay.bed.models.bridge import BRIDGE_MISSING, bridge_installed
 
 
 def main():

@@ -16,7 +16,7 @@ venv's megatron-core. Without them, the main rows already in docs/SUPPORT.md are
 local version no release carries: the main rows are never compared with the default pins.
 
 Bridge's targets are imported through the test bed's scoped stand-ins for its optional packages
-(`testing.bridge.import_stand_ins`: Transformer Engine, ModelOpt... on this CPU stack), as its stock
+(`bed.models.bridge.import_stand_ins`: Transformer Engine, ModelOpt... on this CPU stack), as its stock
 runs are: without them no Bridge module imports here, and every Bridge row would read unsupported.
 
 ``--only FIX`` (repeatable) measures those fixes alone and keeps every other fix's rows of
@@ -35,7 +35,7 @@ from packaging.version import Version
 
 from mtp_overlay import declarations
 from mtp_overlay.contract import distribution_version
-from mtp_overlay.testing.releases import (
+from mtp_overlay.bed.runtime.releases import (
     bridge_main_site,
     megatron_main_site,
     release_site,
@@ -62,8 +62,8 @@ MEASURE = """
 import json, warnings
 warnings.simplefilter("ignore")
 from mtp_overlay import registry
-from mtp_overlay.testing.bridge import import_stand_ins
-from mtp_overlay.testing.reproducers import stock_run
+from mtp_overlay.bed.models.bridge import import_stand_ins
+from mtp_overlay.bed.fixes import stock_run
 with import_stand_ins():
     rows = [dict(row.as_dict(), run=str(row.run)) for row in registry.check({names!r}, stock_run=stock_run)]
 print("MATRIX " + json.dumps(rows))

@@ -6,10 +6,10 @@ import os
 
 os.environ.setdefault("MTP_OVERLAY_SHARED_RANKS", "1")
 
-pytest_plugins = ["mtp_overlay.testing.plugin"]
+pytest_plugins = ["mtp_overlay.bed.plugin"]
 
 
 def pytest_configure(config):
-    from mtp_overlay.testing.device import emulate_cuda_asserts
+    from mtp_overlay.bed.runtime.device import emulate_cuda_asserts
 
     emulate_cuda_asserts()

@@ -15,7 +15,7 @@ STACK = {
     "transformers": pins.TRANSFORMERS, "ray": pins.RAY, "torch": pins.TORCH,
 }
 # where a pin must not be spelled out: the tests and the test bed (tests/pins.py reads it from the file)
-SEARCHED = ("tests", "mtp_overlay/testing", "mtp_overlay/upstream_tests")
+SEARCHED = ("tests", "mtp_overlay/bed", "mtp_overlay/upstream_tests")
 
 
 def test_the_venv_holds_what_the_constraints_pin():

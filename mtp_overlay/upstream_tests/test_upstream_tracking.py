@@ -12,8 +12,8 @@ import pytest
 
 from mtp_overlay import declarations, registry
 from mtp_overlay.contract import State
-from mtp_overlay.testing.bridge import import_stand_ins
-from mtp_overlay.testing.reproducers import stock_run
+from mtp_overlay.bed.models.bridge import import_stand_ins
+from mtp_overlay.bed.fixes import stock_run
 
 
 # slow: their stock runs import Bridge (~20-45 s a process), start a Ray cluster, or build vLLM's drafter

@@ -4,7 +4,7 @@ tokens with the right weight, stock and with the overlay.
 The user's model (a Hugging Face config, or a Megatron-Bridge provider / recipe by module path) is
 shrunk to CPU size keeping its shape (`shrink`), a sample of their data's lengths and prompt lengths
 is shrunk alike and given distinct token ids (`data`), and the test bed's engine
-(``mtp_overlay.testing.verify``, run as a child process: `engine`) builds it with Megatron-Bridge's
+(``mtp_overlay.bed.engines.verify``, run as a child process: `engine`) builds it with Megatron-Bridge's
 provider on gloo ranks and runs Megatron's own training step: each sequence alone, unpacked, at TP1
 (the numeric reference), then the asked layout and packing stock, with the overlay's megatron-core
 fixes, and with all of them but one, in turn. The judge (`report`) holds every step to the numbers of
@@ -239,7 +239,7 @@ def check_multimodal_options(packing: str, forward: str, mtp_mask: str, layout: 
 
 def _plan(shrunk: Shrunk, sample: _data.Sample, name: str, *, loss: str, forward: str, mtp_mask: str,
           packing: str, pad_multiple: int | None) -> dict[str, object]:
-    """What the engine builds and runs (``testing/verify.py`` reads it)."""
+    """What the engine builds and runs (``bed/engines/verify.py`` reads it)."""
     if shrunk.keyspace == "hf":
         model: dict[str, object] = dict(kind="hf-config", config=shrunk.values)
     else:  # the provider's fields the shrink changed, set on it after it is made

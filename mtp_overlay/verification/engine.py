@@ -1,7 +1,7 @@
 """The way from the product to the test bed's engine: a child process, JSON lines both ways.
 
 The product never imports the test bed (``tests/contract/test_layers.py``): verify runs the engine
-(``mtp_overlay.testing.verify``, shipped in the same package) as ``python -m`` in a child process,
+(``mtp_overlay.bed.engines.verify``, shipped in the same package) as ``python -m`` in a child process,
 which it needs anyway: the engine starts gloo ranks that import torch, megatron-core and
 Megatron-Bridge, none of which the caller's process should carry. One request per line on the
 child's stdin, one answer per line on its stdout; its stderr (progress) goes to ``progress`` line by
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
         def close(self) -> None: ...
 
-ENGINE_MODULE = "mtp_overlay.testing.verify"
+ENGINE_MODULE = "mtp_overlay.bed.engines.verify"
 REQUIRES = ("torch", "megatron.core", "megatron.bridge", "transformers")
 TAIL = 40  # stderr lines kept for an error message
 

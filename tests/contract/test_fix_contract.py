@@ -14,7 +14,7 @@ import pytest
 
 from mtp_overlay import declarations, registry
 from mtp_overlay.contract import distribution_version
-from mtp_overlay.testing.preloaded import run_python
+from mtp_overlay.bed.runtime.preloaded import run_python
 
 SCENARIOS = r"""
 import importlib, json, os, sys, warnings
@@ -24,7 +24,7 @@ from mtp_overlay import OverlayError, OverlayWarning, State, registry
 
 life = registry.lifecycle(name)
 facts = {"pending": life.state()[0]}
-from mtp_overlay.testing.bridge import import_stand_ins  # Bridge's optional imports on this machine
+from mtp_overlay.bed.models.bridge import import_stand_ins  # Bridge's optional imports on this machine
 with import_stand_ins():
     modules = [importlib.import_module(target) for target in life.targets]  # the hooks fire here
 facts["before"] = [life.state()[0], life.late]

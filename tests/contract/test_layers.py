@@ -1,11 +1,12 @@
-"""One-way layers: the product's import graph has no circle, every import points down the layers, the
-product never imports its test bed, and ``import mtp_overlay`` loads only the generated table, the
-registry and the import trigger.
+"""One-way layers: the import graph of ``mtp_overlay`` (product and test bed) has no circle, every import
+points down the layers (the product's, then the bed's own), the product reaches the bed only through its
+named doors, the bed imports nothing private of another module, and ``import mtp_overlay`` loads only
+the generated table, the registry and the import trigger.
 
-Product: every module of ``mtp_overlay`` but ``mtp_overlay.testing`` (the test bed, which imports
-the product) and ``mtp_overlay.upstream_tests`` (tests shipped with the package). Imports inside
-functions count. The only ways from product to test bed are the CLI's ``demo`` and ``check --run``,
-importing it inside those commands.
+Product: every module of ``mtp_overlay`` but ``mtp_overlay.bed`` (the test bed, which imports the
+product) and ``mtp_overlay.upstream_tests`` (tests shipped with the package). Imports inside functions
+count. The product's ways to the bed: the CLI's ``demo`` and ``check --run`` import it inside those
+commands, and ``verify`` runs its engine in a child process (``verification.engine.ENGINE_MODULE``).
 """
 
 import ast
@@ -16,7 +17,7 @@ from pathlib import Path
 import mtp_overlay
 
 PACKAGE = Path(mtp_overlay.__file__).parent
-TEST_CODE = ("testing", "upstream_tests")
+TEST_CODE = ("bed", "upstream_tests")
 ALLOWED = {("cli.py", "_demo"), ("cli.py", "_check")}  # (module file, function) that may import the test bed
 # a product module may import only modules of a lower layer, or of its own package; the first part of
 # its name below mtp_overlay decides (fixes: the Fix base and every fix; mtp: the trainer library)
@@ -29,13 +30,29 @@ LAYERS = (
     {"registry", "scaffold", "verification"},
     {"cli", "__init__"},
 )
+# the bed's layers, by the part of its name below mtp_overlay.bed (plugin and the package: the top)
+BED_LAYERS = (
+    {"runtime"},  # ranks, device, CPU stand-ins
+    {"oracles"},  # references from first principles
+    {"models"},
+    {"steps"},
+    {"fixes"},  # reproducers
+    {"engines"},
+    {"plugin", "__init__"},
+)
+
+
+def all_modules():
+    for path in sorted(PACKAGE.rglob("*.py")):
+        yield path.relative_to(PACKAGE), path
 
 
 def product_modules():
-    for path in sorted(PACKAGE.rglob("*.py")):
-        relative = path.relative_to(PACKAGE)
-        if relative.parts[0] not in TEST_CODE:
-            yield relative, path
+    return ((relative, path) for relative, path in all_modules() if relative.parts[0] not in TEST_CODE)
+
+
+def bed_modules():
+    return ((relative, path) for relative, path in all_modules() if relative.parts[0] == "bed")
 
 
 def module_name(relative):
@@ -64,10 +81,10 @@ def imported_names(tree, module, is_package):
     yield from visit(tree, None)
 
 
-def import_graph():
-    """product module -> the product modules it imports (anywhere in it), ``mtp_overlay`` itself left out
-    (every submodule's import runs it: it is the top, not an edge)."""
-    modules = {module_name(relative): (relative, path) for relative, path in product_modules()}
+def import_graph(modules=None):
+    """module -> the modules of ``modules`` (default: the product's) it imports (anywhere in it),
+    ``mtp_overlay`` itself left out (every submodule's import runs it: it is the top, not an edge)."""
+    modules = {module_name(relative): (relative, path) for relative, path in (modules or product_modules())}
     graph = {}
     for name, (relative, path) in modules.items():
         found = set()
@@ -104,8 +121,36 @@ def layer(module):
     return next(index for index, names in enumerate(LAYERS) if part in names)
 
 
-def test_the_product_import_graph_has_no_circle():
-    assert circle(import_graph()) is None
+def bed_layer(module):
+    parts = module.split(".")
+    part = parts[2] if len(parts) > 2 else "__init__"
+    return next(index for index, names in enumerate(BED_LAYERS) if part in names)
+
+
+def test_the_import_graph_has_no_circle():
+    assert circle(import_graph(all_modules())) is None
+
+
+def test_every_bed_import_points_down_the_bed_layers():
+    graph = import_graph(bed_modules())
+    upward = [f"{module} imports {other}" for module, imported in graph.items() for other in imported
+              if bed_layer(other) > bed_layer(module)]
+    assert upward == []
+
+
+def test_the_bed_imports_nothing_private_of_another_module():
+    modules = {module_name(relative) for relative, _ in all_modules()}
+    private = []
+    for relative, path in bed_modules():
+        module = module_name(relative)
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom):
+                base = next(name for name, _ in imported_names(ast.Module([node], []), module,
+                                                               relative.name == "__init__.py"))
+                if base.startswith("mtp_overlay") and base != module:
+                    private += [f"{relative}: {base}.{alias.name}" for alias in node.names
+                                if alias.name.startswith("_") and f"{base}.{alias.name}" not in modules]
+    assert private == []
 
 
 def test_every_product_import_points_down_the_layers():
@@ -118,9 +163,11 @@ def test_every_product_import_points_down_the_layers():
 def test_the_graph_tests_see_a_circle_and_a_function_level_import():
     assert circle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert circle({"a": {"b"}, "b": set()}) is None
-    tree = ast.parse("def reproduce():\n    from ...testing.launcher import run_ranks\n")
+    tree = ast.parse("def reproduce():\n    from ...bed.runtime.launcher import run_ranks\n")
     names = list(imported_names(tree, "mtp_overlay.fixes.some_fix", is_package=True))
-    assert ("mtp_overlay.testing.launcher", "reproduce") in names
+    assert ("mtp_overlay.bed.runtime.launcher", "reproduce") in names
+    assert bed_layer("mtp_overlay.bed.runtime.launcher") < bed_layer("mtp_overlay.bed.models.tiny_gpt")
+    assert bed_layer("mtp_overlay.bed.fixes.mtp_loss_mask") < bed_layer("mtp_overlay.bed.engines.demo")
     assert layer("mtp_overlay.contract") < layer("mtp_overlay.lifecycle") < layer("mtp_overlay.registry")
     assert layer("mtp_overlay.patching.survey") < layer("mtp_overlay.registry")
 
@@ -131,7 +178,7 @@ def test_no_product_module_imports_the_test_bed():
         module = module_name(relative)
         tree = ast.parse(path.read_text(), str(path))
         for name, function in imported_names(tree, module, relative.name == "__init__.py"):
-            if (name + ".").startswith("mtp_overlay.testing.") and (relative.as_posix(), function) not in ALLOWED:
+            if (name + ".").startswith("mtp_overlay.bed.") and (relative.as_posix(), function) not in ALLOWED:
                 offenders.append(f"{relative}: imports {name}" + (f" in {function}()" if function else ""))
     assert offenders == []
 
@@ -148,7 +195,7 @@ def test_every_product_module_imports_without_the_test_bed():
         "import importlib, sys\n"
         f"for name in {modules!r}:\n"
         "    importlib.import_module(name)\n"
-        "print(sorted(m for m in sys.modules if m.startswith('mtp_overlay.testing')))\n"
+        "print(sorted(m for m in sys.modules if m.startswith('mtp_overlay.bed')))\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]

@@ -21,7 +21,7 @@ from mtp_overlay import OverlayError, OverlayWarning, State, hooks, lifecycle, r
 from mtp_overlay.contract import Declaration, Provenance, drifted, needed
 from mtp_overlay.fixes import Fix
 from mtp_overlay.lifecycle import Lifecycle
-from mtp_overlay.testing import HEAVY_IMPORTS
+from mtp_overlay.contract import HEAVY_IMPORTS
 
 TARGET_SOURCE = """
 import time

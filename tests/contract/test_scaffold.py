@@ -100,7 +100,7 @@ def test_the_scaffold_writes_what_every_fix_has(tmp_path):
     folder = copy / "mtp_overlay" / "fixes" / "bridge_thing"
     for path in (folder / "declaration.py", folder / "__init__.py", folder / "README.md",
                  copy / "tests" / "fixes" / "bridge_thing" / "test_bridge_thing.py",
-                 copy / "mtp_overlay" / "testing" / "reproducers" / "bridge_thing.py"):
+                 copy / "mtp_overlay" / "bed" / "fixes" / "bridge_thing.py"):
         assert f"wrote {path.relative_to(copy)}" in made.stdout
     assert (folder / "declaration.py").read_text().startswith('"""bridge-thing: what it targets')
     readme = (folder / "README.md").read_text()

@@ -2,7 +2,7 @@
 
 CUDA refuses a ``torch._assert_async`` message of 255 bytes or more when the assert is queued,
 whatever the condition (PyTorch PR #134813): a long message made every packed forward raise on a GPU
-while the CPU suite passed. The suite now emulates the rule (`mtp_overlay.testing.device`, installed
+while the CPU suite passed. The suite now emulates the rule (`mtp_overlay.bed.runtime.device`, installed
 by tests/conftest.py and in every CPU rank), and every message the overlay queues stays under
 `checks.MESSAGE_LIMIT` (200 bytes, prefix included), over packed rows at CP1 and CP2, padded and real
 boundaries, good masks and bad ones, with row sizes far beyond a real one's digits.
@@ -14,7 +14,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 
 from mtp_overlay import mtp
 from mtp_overlay.mtp.checks import MESSAGE_LIMIT
-from mtp_overlay.testing import device
+from mtp_overlay.bed.runtime import device
 
 LENGTHS = [5, 9, 1, 13]
 

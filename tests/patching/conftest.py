@@ -10,7 +10,7 @@ from pins import MEGATRON_CORE
 
 from mtp_overlay import declarations, table
 from mtp_overlay.contract import Declaration, Provenance
-from mtp_overlay.testing.patch_images import measure, patches_for
+from mtp_overlay.bed.engines.patch_images import measure, patches_for
 
 
 def comment_fix(name):

@@ -18,8 +18,8 @@ from mtp_overlay import declarations
 from mtp_overlay.cli import main
 from mtp_overlay.patching.manifest import DEFAULT_PATH, load, touched_files
 from mtp_overlay.patching.survey import marker_on_disk
-from mtp_overlay.testing.bridge import BRIDGE_MISSING, bridge_installed
-from mtp_overlay.testing.releases import link_installed, release_site, run_json
+from mtp_overlay.bed.models.bridge import BRIDGE_MISSING, bridge_installed
+from mtp_overlay.bed.runtime.releases import link_installed, release_site, run_json
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXES = ("bridge-sft-mtp-mask", "bridge-mtp-export", "bridge-mtp-off")
@@ -109,7 +109,7 @@ import json, warnings
 warnings.simplefilter("ignore")
 import mtp_overlay
 from mtp_overlay import registry
-from mtp_overlay.testing.bridge_step import import_step
+from mtp_overlay.bed.steps.bridge_step import import_step
 step = import_step("deepseek_v4_step")
 import megatron.bridge.models.hybrid.hybrid_provider as provider
 import megatron.bridge.models.nemotronh.nemotron_h_bridge as export

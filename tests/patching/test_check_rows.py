@@ -15,7 +15,7 @@ import pytest
 from pins import MEGATRON_CORE
 from test_patching import patch, site_copy
 
-from mtp_overlay.testing.releases import run_with_release
+from mtp_overlay.bed.runtime.releases import run_with_release
 
 FIX = "mtp-sp-scatter"
 STATUS_THEN_CHECK = """

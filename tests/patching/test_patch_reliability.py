@@ -16,7 +16,7 @@ from pins import MEGATRON_CORE, VLLM
 
 from mtp_overlay.patching import transaction
 from mtp_overlay.patching.manifest import load
-from mtp_overlay.testing.releases import installed_site, link_installed
+from mtp_overlay.bed.runtime.releases import installed_site, link_installed
 
 CLI = [sys.executable, "-m", "mtp_overlay.cli"]
 

@@ -24,8 +24,8 @@ from mtp_overlay.contract import distribution_version
 from mtp_overlay.patching import engine, transaction
 from mtp_overlay.patching.manifest import DEFAULT_PATH, load, state_key, touched_files
 from mtp_overlay.patching.survey import sha256
-from mtp_overlay.testing.patch_images import measure, patches_for, released_files
-from mtp_overlay.testing.releases import copy_installed, installed_site, record_sha256, release_site, run_with_release
+from mtp_overlay.bed.engines.patch_images import measure, patches_for, released_files
+from mtp_overlay.bed.runtime.releases import copy_installed, installed_site, record_sha256, release_site, run_with_release
 
 REPO = Path(__file__).resolve().parents[2]
 SP_SCATTER = registry.get("mtp-sp-scatter")
@@ -504,12 +504,12 @@ def test_patched_release_imports_and_the_runtime_hook_stands_down(tmp_path, caps
 
 TP2_SP_FORWARD = """
 import json
-from mtp_overlay.testing.launcher import run_ranks
+from mtp_overlay.bed.runtime.launcher import run_ranks
 
 
 def forward():
     import megatron.core.transformer.multi_token_prediction as m
-    from mtp_overlay.testing.tiny_gpt import build_tiny_gpt, make_batch, train_step
+    from mtp_overlay.bed.models.tiny_gpt import build_tiny_gpt, make_batch, train_step
 
     model = build_tiny_gpt(sequence_parallel=True, scatter_embedding_sequence_parallel=False)
     return {"file": m.__file__, "mtp_loss": train_step(model, make_batch()).mtp_loss}

@@ -3,7 +3,7 @@
 import pytest
 import testbed_cases
 
-from mtp_overlay.testing.launcher import run_ranks_checked
+from mtp_overlay.bed.runtime.launcher import run_ranks_checked
 
 
 def run_layout(layout):

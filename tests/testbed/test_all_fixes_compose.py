@@ -6,7 +6,7 @@ built with ``mtp_overlay.mtp.pack_sequences`` / ``packed_seq_params(real_lengths
 (``labels=None``) whose MTP mask of response tokens is scoped (``loss_mask_scope``) or passed
 explicitly, or the full row handed to a model that slices CP itself; the per-token 3-output loss and
 NeMo-RL's; one step of ``get_forward_backward_func`` -> DDP -> ``finalize_model_grads``
-(``mtp_overlay.testing.parity``). The reference: each sequence alone, unpacked, at TP1, through the
+(``mtp_overlay.bed.engines.parity``). The reference: each sequence alone, unpacked, at TP1, through the
 same step. Each path needs a known set of fixes (``parity.needed_fixes``): mtp-packed-roll (stock rolls
 by the real boundaries, Megatron-LM #4494/#6205), mtp-loss-mask when the mask is scoped (NeMo-RL PR
 #3494), mtp-cp-loss-scale under CP (Megatron-LM PR #7498), mtp-sp-scatter for a model that does not
@@ -21,8 +21,8 @@ reference, the TP1 step with its MTP block's MoE layers flagged by hand.
 import numpy as np
 import pytest
 
-from mtp_overlay.testing import parity
-from mtp_overlay.testing.packed import expected_mtp
+from mtp_overlay.bed.engines import parity
+from mtp_overlay.bed.models.packed import expected_mtp
 
 EXACT = 1e-5  # float32 gradients summed in another order: relerr and max |dgrad|
 DIFFERS = 0.05  # the smallest MTP-gradient relerr a missing fix leaves on HybridModel is 0.15

@@ -13,8 +13,8 @@ TP+SP (Megatron-LM PR #6256 fixes it upstream); with the fix it matches TP1.
 
 import pytest
 
-from mtp_overlay.testing.bridge import BRIDGE_MISSING, KINDS, Case, bridge_installed
-from mtp_overlay.testing.launcher import run_ranks_checked
+from mtp_overlay.bed.models.bridge import BRIDGE_MISSING, KINDS, Case, bridge_installed
+from mtp_overlay.bed.runtime.launcher import run_ranks_checked
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not bridge_installed(), reason=BRIDGE_MISSING)]
 WORLD_SIZE = 4
@@ -37,7 +37,7 @@ def cases_and_import_facts(cases):
     import builtins
     import sys
 
-    from mtp_overlay.testing.bridge import run_cases
+    from mtp_overlay.bed.models.bridge import run_cases
 
     original_import = builtins.__import__
     results = run_cases(cases)

@@ -1,5 +1,5 @@
 """Megatron-Bridge's own training step (``gpt_step.forward_step``) on the test bed, and its three MTP
-defects shown on stock Bridge 0.6 (``mtp_overlay.testing.bridge_step``).
+defects shown on stock Bridge 0.6 (``mtp_overlay.bed.steps.bridge_step``).
 
 The fast tests check the CPU stand-ins this needs against their references: the scoped import
 stand-ins on throwaway importers and against Bridge's own import statements (read from its source),
@@ -19,15 +19,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from mtp_overlay.testing import bridge_step
-from mtp_overlay.testing.bridge import BRIDGE_MISSING, bridge_installed
-from mtp_overlay.testing.cpu_shims import (
+from mtp_overlay.bed.steps import bridge_step
+from mtp_overlay.bed.models.bridge import BRIDGE_MISSING, bridge_installed
+from mtp_overlay.bed.runtime.cpu_shims import (
     BRIDGE_GUARDED_IMPORTS,
     BRIDGE_TRAINING_IMPORTERS,
     bridge_training_import_stand_ins,
     cpu_batch,
 )
-from mtp_overlay.testing.launcher import run_ranks_checked
+from mtp_overlay.bed.runtime.launcher import run_ranks_checked
 
 ROOTS = ("modelopt", "datasets", "megatron.energon", "torch.utils.tensorboard")
 NEEDS = ("modelopt", "datasets", "megatron.energon", "tensorboard")  # what the real ones need

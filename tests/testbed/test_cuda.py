@@ -15,8 +15,9 @@ import types
 import pytest
 import torch
 
-from mtp_overlay.testing import device, gpu_check, preloaded
-from mtp_overlay.testing.launcher import run_ranks_checked
+from mtp_overlay.bed.runtime import device, preloaded
+from mtp_overlay.bed.engines import gpu_check
+from mtp_overlay.bed.runtime.launcher import run_ranks_checked
 
 # a fresh interpreter that counts the CUDA-initialising calls (cudaGetDeviceCount, cuda init) made by
 # importing what the preloaded server preloads, then megatron-core's GPT model
@@ -83,7 +84,7 @@ def test_thd_attention_matches_the_test_beds_exact_attention():
     from megatron.core.packed_seq_params import PackedSeqParams
     from megatron.core.transformer.enums import AttnMaskType
 
-    from mtp_overlay.testing.cpu_shims import _exact_attention
+    from mtp_overlay.bed.runtime.cpu_shims import _exact_attention
 
     generator = torch.Generator().manual_seed(0)
     query, key, value = (torch.randn(24, 4, 8, generator=generator) for _ in range(3))

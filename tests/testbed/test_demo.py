@@ -1,7 +1,7 @@
 """The main job (`mtp-overlay demo`): what a newcomer reads first shows each fix off and on, and the
 ranks' own warnings stay out of it (in the log file it names)."""
 
-from mtp_overlay.testing import demo
+from mtp_overlay.bed.engines import demo
 
 
 def test_demo_shows_each_fix_off_and_on_and_keeps_rank_noise_in_its_log(tmp_path):

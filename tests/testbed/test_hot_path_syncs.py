@@ -2,7 +2,7 @@
 
 Megatron's own training step on the tiny HybridModel, a packed THD row in NeMo-RL's real-lengths
 flavour (then a BSHD batch), an RL forward with the MTP mask scoped: every megatron-core fix's hook
-on the path (`mtp_overlay.testing.hot_path`), at TP1, CP2 and TP2+SP. `SyncCounter` counts every
+on the path (`mtp_overlay.bed.engines.hot_path`), at TP1, CP2 and TP2+SP. `SyncCounter` counts every
 host read of the forward+backward by who made it, at the aten level (the reads C++ makes, such as a
 0-dim tensor used as a slice bound, included). In the default mode the overlay's count is 0
 from the second step on; the first step makes the one-time checks (the mask's alignment: one
@@ -15,7 +15,7 @@ import numpy
 import pytest
 
 from mtp_overlay.mtp.checks import MESSAGE_LIMIT
-from mtp_overlay.testing import hot_path
+from mtp_overlay.bed.engines import hot_path
 
 
 def overlay(summary):

@@ -1,4 +1,4 @@
-"""Megatron's own training step in the test bed (mtp_overlay.testing.megatron_step).
+"""Megatron's own training step in the test bed (mtp_overlay.bed.steps.megatron_step).
 
 The tiny GPT with one MTP layer (``mtp_detach_heads``: the MTP block learns from the MTP loss only,
 everything else from the LM loss only) goes through DistributedDataParallel, the no-pipelining
@@ -15,9 +15,9 @@ import numpy
 import pytest
 import torch
 
-from mtp_overlay.testing.launcher import run_ranks_checked
-from mtp_overlay.testing.megatron_step import check_step_arguments, relative_error
-from mtp_overlay.testing.packed_reference import packed_params
+from mtp_overlay.bed.runtime.launcher import run_ranks_checked
+from mtp_overlay.bed.steps.megatron_step import check_step_arguments, relative_error
+from mtp_overlay.bed.oracles.packed_reference import packed_params
 
 CP_FIX = "mtp-cp-loss-scale"
 BATCH_SIZE, SEQ_LENGTH, PROMPT = 2, 32, 12
@@ -37,7 +37,7 @@ CASES = {
 def batch(seed=0):
     """make_batch with a prompt: the loss mask is zero over the first PROMPT positions. For the RL
     forward the same mask is the input_ids-aligned MTP mask, the LM mask its label-aligned shift."""
-    from mtp_overlay.testing.tiny_gpt import make_batch
+    from mtp_overlay.bed.models.tiny_gpt import make_batch
 
     result = make_batch(batch_size=BATCH_SIZE, seq_length=SEQ_LENGTH, seed=seed)
     result["loss_mask"][:, :PROMPT] = 0
@@ -68,8 +68,8 @@ def train(sequence_parallel=False):
 
     Returns {"megatron": {case: result}, "old": {per_token: StepResult}, "adam": (first, second)}.
     """
-    from mtp_overlay.testing.megatron_step import MegatronStep
-    from mtp_overlay.testing.tiny_gpt import build_tiny_gpt, train_step
+    from mtp_overlay.bed.steps.megatron_step import MegatronStep
+    from mtp_overlay.bed.models.tiny_gpt import build_tiny_gpt, train_step
 
     def model(per_token):
         return build_tiny_gpt(

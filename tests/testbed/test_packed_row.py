@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mtp_overlay import mtp
-from mtp_overlay.testing.packed import SelfSlicingCP, expected_mtp, make_packed_row
+from mtp_overlay.bed.models.packed import SelfSlicingCP, expected_mtp, make_packed_row
 
 
 def test_rows_pack_like_nemo_rl_in_both_flavours():

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from testbed_cases import LAYOUTS, MODELS, layout_params, lengths, packed_name, packed_row
 
-from mtp_overlay.testing.packed import expected_mtp
+from mtp_overlay.bed.models.packed import expected_mtp
 
 TOLERANCE = 1e-5
 ALL_LAYOUTS = layout_params(*LAYOUTS)

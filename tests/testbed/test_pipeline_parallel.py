@@ -1,5 +1,5 @@
 """Pipeline parallelism in the test bed: PP2 through Megatron's own pipeline schedule, MTP on the last
-stage, packed THD (mtp_overlay.testing.pipeline, megatron_step, parity).
+stage, packed THD (mtp_overlay.bed.models.pipeline, megatron_step, parity).
 
 With two pipeline stages ``get_forward_backward_func()`` is megatron-core's
 ``forward_backward_pipelining_without_interleaving``: the stages exchange activations and gradients
@@ -15,9 +15,9 @@ import numpy
 import pytest
 import torch
 
-from mtp_overlay.testing import parity
-from mtp_overlay.testing.launcher import run_ranks_checked
-from mtp_overlay.testing.megatron_step import check_step_arguments
+from mtp_overlay.bed.engines import parity
+from mtp_overlay.bed.runtime.launcher import run_ranks_checked
+from mtp_overlay.bed.steps.megatron_step import check_step_arguments
 
 PATTERNS = {1: "*-*-/*-", 2: "*-|*-/*-"}  # the tiny HybridModel, whole and in two stages
 BATCH_SIZE, SEQ_LENGTH, PROMPT = 2, 32, 12
@@ -51,8 +51,8 @@ SLOW_CASES = ("hybrid thd variable lengths sft", "hybrid thd unpadded rl, mtp-pa
 
 
 def microbatches(case, pad_multiple):
-    from mtp_overlay.testing.packed import make_packed_row
-    from mtp_overlay.testing.tiny_gpt import make_batch
+    from mtp_overlay.bed.models.packed import make_packed_row
+    from mtp_overlay.bed.models.tiny_gpt import make_batch
 
     if case["rows"] == "bshd":
         batches = [make_batch(batch_size=BATCH_SIZE, seq_length=SEQ_LENGTH, seed=seed) for seed in range(3)]
@@ -70,9 +70,9 @@ def microbatches(case, pad_multiple):
 
 
 def build(case, sequence_parallel):
-    from mtp_overlay.testing import pipeline
-    from mtp_overlay.testing.tiny_gpt import build_tiny_gpt
-    from mtp_overlay.testing.tiny_hybrid import build_tiny_hybrid
+    from mtp_overlay.bed.models import pipeline
+    from mtp_overlay.bed.models.tiny_gpt import build_tiny_gpt
+    from mtp_overlay.bed.models.tiny_hybrid import build_tiny_hybrid
 
     options = dict(sequence_parallel=sequence_parallel, calculate_per_token_loss=case.get("per_token", True),
                    **case.get("model_kwargs", {}))
@@ -88,7 +88,7 @@ def run_steps(names, sequence_parallel=False, pad_multiple=4):
     from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
     import mtp_overlay
-    from mtp_overlay.testing.megatron_step import MegatronStep
+    from mtp_overlay.bed.steps.megatron_step import MegatronStep
 
     exchanged = []
     communicate = P2PCommunicator._communicate
@@ -148,8 +148,8 @@ def stage_facts():
     from megatron.core.models.common.language_module.language_module import LanguageModule
     from megatron.core.pipeline_parallel import get_forward_backward_func, p2p_communication
 
-    from mtp_overlay.testing import pipeline
-    from mtp_overlay.testing.tiny_hybrid import build_tiny_hybrid
+    from mtp_overlay.bed.models import pipeline
+    from mtp_overlay.bed.models.tiny_hybrid import build_tiny_hybrid
 
     model = build_tiny_hybrid(hybrid_layer_pattern=PATTERNS[2])
     group = parallel_state.get_pipeline_model_parallel_group()
@@ -342,7 +342,7 @@ def test_a_stage_whose_forward_raises_raises_on_every_stage_and_the_pool_runs_on
 
 def test_microbatches_of_different_shapes_need_variable_seq_lengths_under_pp():
     def arguments(variable_shapes):
-        from mtp_overlay.testing.tiny_gpt import make_batch
+        from mtp_overlay.bed.models.tiny_gpt import make_batch
 
         batches = [make_batch(seq_length=32), make_batch(seq_length=16)]
         return dict(microbatches=batches, loss="3-output", labels=True, mtp_grad_scale=None, per_token=False,
@@ -356,7 +356,7 @@ def test_microbatches_of_different_shapes_need_variable_seq_lengths_under_pp():
 
 def refused_pattern():
     """Worker: the refusal of a pattern with three stages for a pipeline of two."""
-    from mtp_overlay.testing.tiny_hybrid import build_tiny_hybrid
+    from mtp_overlay.bed.models.tiny_hybrid import build_tiny_hybrid
 
     try:
         build_tiny_hybrid(hybrid_layer_pattern="*|-|*-/*-")

@@ -12,7 +12,7 @@ import pytest
 from test_packed_thd import TOLERANCE, assert_lm_matches, grad_delta, max_abs, row_of, trained
 from testbed_cases import layout_params
 
-from mtp_overlay.testing.packed import expected_mtp
+from mtp_overlay.bed.models.packed import expected_mtp
 
 SP_LAYOUTS = layout_params("tp2_sp", "tp2_cp2_sp")
 CONCAT_CRASH = "Sizes of tensors must match except in dimension 2"

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from mtp_overlay import mtp
-from mtp_overlay.testing import cpu_shims, syncs
-from mtp_overlay.testing.syncs import SyncCounter
+from mtp_overlay.bed.runtime import cpu_shims, syncs
+from mtp_overlay.bed.runtime.syncs import SyncCounter
 
 T = torch.tensor([1.0, 2.0, 3.0])
 I = torch.tensor(1)

@@ -1,4 +1,4 @@
-"""The test bed itself: stock megatron-core 0.19.x MTP on spawned gloo ranks (mtp_overlay.testing).
+"""The test bed itself: stock megatron-core 0.19.x MTP on spawned gloo ranks (mtp_overlay.bed).
 
 Parity is the proof that the launcher, the CPU shims and train_step are right: the same weights and
 batch give the same LM and MTP loss (and gradients) at TP1, TP2+SP, CP2 and TP2xCP2+SP.
@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from mtp_overlay.testing.launcher import RankResult, RanksFailed, run_ranks, run_ranks_checked
+from mtp_overlay.bed.runtime.launcher import RankResult, RanksFailed, run_ranks, run_ranks_checked
 
 SEQ_LENGTH = 32  # make_batch's default
 BATCH_SIZE = 2
@@ -35,7 +35,7 @@ def train(**model_kwargs):
     """
     import torch
 
-    from mtp_overlay.testing.tiny_gpt import build_tiny_gpt, cp_slice, make_batch, train_step
+    from mtp_overlay.bed.models.tiny_gpt import build_tiny_gpt, cp_slice, make_batch, train_step
 
     model = build_tiny_gpt(**model_kwargs)
     batch = make_batch(batch_size=BATCH_SIZE, seq_length=SEQ_LENGTH)
@@ -242,7 +242,7 @@ def test_a_fresh_interpreter_installs_exactly_the_fixes_asked_for(interpreter):
     reads (PYTHONWARNINGS) makes it a real subprocess, born stock the same way."""
     import json
 
-    from mtp_overlay.testing.preloaded import run_python
+    from mtp_overlay.bed.runtime.preloaded import run_python
 
     env = {**os.environ, "MTP_OVERLAY_DISABLE": "mtp-loss-mask"}
     asked = [[], ["mtp-sp-scatter"], None]
@@ -265,7 +265,7 @@ def test_a_fresh_interpreter_installs_exactly_the_fixes_asked_for(interpreter):
 
 
 def test_fixes_must_be_a_list_of_known_fix_ids():
-    from mtp_overlay.testing.preloaded import run_python
+    from mtp_overlay.bed.runtime.preloaded import run_python
 
     with pytest.raises(TypeError, match="got the string 'mtp-sp-scatter'"):
         run_python("pass", dict(os.environ), timeout=60, fixes="mtp-sp-scatter")
@@ -294,7 +294,7 @@ def test_bad_arguments_are_refused_before_spawning(options, message):
 
 
 def test_cpu_shims_install_and_restore_the_originals():
-    from mtp_overlay.testing import cpu_shims
+    from mtp_overlay.bed.runtime import cpu_shims
 
     shims = cpu_shims.shims()
     originals = [vars(shim.owner)[shim.attribute] for shim in shims]
@@ -322,7 +322,7 @@ def is_inference_column_parallel_linear(module):  # Megatron-LM main's test (d98
 MAIN_SHIM_CHECK = """
 import torch
 from megatron.core.transformer import multi_token_prediction as mtp
-from mtp_overlay.testing import cpu_shims
+from mtp_overlay.bed import cpu_shims
 linear = torch.nn.Linear(2, 2)
 original = mtp.is_inference_column_parallel_linear
 try:
@@ -342,8 +342,8 @@ def test_main_inference_linear_shim_applies_only_where_upstream_has_the_check(tm
     copy of it given main's check fails the same way, and the shim answers False and is taken back."""
     from megatron.core.transformer import multi_token_prediction
 
-    from mtp_overlay.testing import cpu_shims
-    from mtp_overlay.testing.releases import copy_installed, run_with_release
+    from mtp_overlay.bed.runtime import cpu_shims
+    from mtp_overlay.bed.runtime.releases import copy_installed, run_with_release
 
     assert "is_inference_column_parallel_linear" not in vars(multi_token_prediction)
     assert not [s for s in cpu_shims.shims() if s.attribute == "is_inference_column_parallel_linear"]
@@ -375,7 +375,7 @@ def test_plugin_is_opt_in_then_skips_gpu_tests_and_serves_the_launcher(tmp_path)
     (tmp_path / "conftest.py").write_text(
         "import pytest\n"
         "def pytest_configure(config):\n"
-        "    pytest.OPTED_IN = config.pluginmanager.has_plugin('mtp_overlay.testing.plugin')\n"
+        "    pytest.OPTED_IN = config.pluginmanager.has_plugin('mtp_overlay.bed.plugin')\n"
     )
 
     def pytest_run(*options):
@@ -388,11 +388,11 @@ def test_plugin_is_opt_in_then_skips_gpu_tests_and_serves_the_launcher(tmp_path)
     assert "PASSED test_user.py::test_stock_upstream" in plain.stdout, plain.stdout
     assert "SKIPPED" not in plain.stdout
     (tmp_path / "test_fixture.py").write_text(
-        "from mtp_overlay.testing.launcher import run_ranks\n"
+        "from mtp_overlay.bed.runtime.launcher import run_ranks\n"
         "def test_fixture(mtp_run_ranks):\n"
         "    assert mtp_run_ranks is run_ranks\n"
     )
-    opted = pytest_run("-p", "mtp_overlay.testing.plugin")
+    opted = pytest_run("-p", "mtp_overlay.bed.plugin")
     expected = "3 passed" if torch.cuda.is_available() else "2 passed, 1 skipped"
     assert expected in opted.stdout, opted.stdout + opted.stderr
 
@@ -418,7 +418,7 @@ def test_preloaded_child_is_a_fresh_interpreter_as_subprocess_would_start_it(sta
     imported before the code runs (only torch's stack is)."""
     import json
 
-    from mtp_overlay.testing.preloaded import run_python
+    from mtp_overlay.bed.runtime.preloaded import run_python
 
     env = {**os.environ, "MARKER": "m", "STATUS": status, "PYTHONPATH": str(tmp_path)}
     forked = run_python(FRESH, env, timeout=120, cwd=tmp_path)
@@ -432,7 +432,7 @@ def test_preloaded_child_is_a_fresh_interpreter_as_subprocess_would_start_it(sta
 
 
 def test_preloaded_child_reports_an_exception_and_a_timeout():
-    from mtp_overlay.testing.preloaded import run_python
+    from mtp_overlay.bed.runtime.preloaded import run_python
 
     failed = run_python("raise ValueError('bad')", dict(os.environ), timeout=120)
     assert failed.returncode == 1 and "ValueError: bad" in failed.stderr

@@ -1,4 +1,4 @@
-"""megatron-core's LLaVAModel with an MTP HybridModel in the test bed (mtp_overlay.testing.tiny_llava).
+"""megatron-core's LLaVAModel with an MTP HybridModel in the test bed (mtp_overlay.bed.models.tiny_llava).
 
 What a fix for MTP on multimodal models is judged by, checked here on stock megatron-core 0.19:
 
@@ -20,11 +20,11 @@ import numpy
 import pytest
 import torch
 
-from mtp_overlay.testing import llava_oracle
-from mtp_overlay.testing.bridge import BRIDGE_MISSING, bridge_installed
-from mtp_overlay.testing.cases import failure_of, use_fixes
-from mtp_overlay.testing.launcher import run_ranks_checked
-from mtp_overlay.testing.megatron_step import relative_error
+from mtp_overlay.bed.oracles import llava_oracle
+from mtp_overlay.bed.models.bridge import BRIDGE_MISSING, bridge_installed
+from mtp_overlay.bed.runtime.cases import failure_of, use_fixes
+from mtp_overlay.bed.runtime.launcher import run_ranks_checked
+from mtp_overlay.bed.steps.megatron_step import relative_error
 
 SP_SCATTER, CP_LOSS_SCALE = "mtp-sp-scatter", "mtp-cp-loss-scale"
 LAYOUTS = {
@@ -61,7 +61,7 @@ TP_TYPE_ERROR = "TypeError: '<' not supported between instances of 'NoneType' an
 
 
 def _batch(positions, seed=0):
-    from mtp_overlay.testing.tiny_llava import make_llava_batch
+    from mtp_overlay.bed.models.tiny_llava import make_llava_batch
 
     return make_llava_batch(positions, seed=seed)
 
@@ -92,9 +92,9 @@ def _pairs(records, microbatches):
 def step_cases(layout):
     """Rank worker: Megatron's step on LLaVAModel and on the combined-ids reference, without MTP and
     (stock, LLaVAModel crashing) with MTP; the reference's trained MTP pairs."""
-    from mtp_overlay.testing import tiny_llava
-    from mtp_overlay.testing.megatron_step import MegatronStep
-    from mtp_overlay.testing.packed import record_mtp
+    from mtp_overlay.bed.models import tiny_llava
+    from mtp_overlay.bed.steps.megatron_step import MegatronStep
+    from mtp_overlay.bed.models.packed import record_mtp
 
     spec = LAYOUTS[layout]
     microbatches = [_batch(positions, seed) for seed, positions in enumerate(STEP_BATCHES)]
@@ -132,7 +132,7 @@ def slicing_cases():
     that hold each slot's index (+1; zeros are padding), labels and mask, against ``llava_oracle``."""
     from megatron.core import parallel_state
 
-    from mtp_overlay.testing import tiny_llava
+    from mtp_overlay.bed.models import tiny_llava
 
     tp = parallel_state.get_tensor_model_parallel_world_size()
     model = tiny_llava.build_tiny_llava(hybrid_layer_pattern="*-*-", sequence_parallel=tp > 1)
@@ -164,7 +164,8 @@ def slicing_cases():
 
 def build_without(attribute):
     """build_tiny_llava with every construction stand-in but the one that swaps ``attribute``; the error."""
-    from mtp_overlay.testing import cpu_shims, tiny_llava
+    from mtp_overlay.bed.runtime import cpu_shims
+    from mtp_overlay.bed.models import tiny_llava
 
     others = [shim for shim in cpu_shims.llava_stand_ins() if shim.attribute != attribute]
     return failure_of(lambda: tiny_llava.build_tiny_llava(hybrid_layer_pattern="*-*-", stand_ins=others))
@@ -178,7 +179,8 @@ def tp1_cases():
     from megatron.core.models.vision.vit_layer_specs import get_vit_layer_with_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from mtp_overlay.testing import cpu_shims, tiny_llava
+    from mtp_overlay.bed.runtime import cpu_shims
+    from mtp_overlay.bed.models import tiny_llava
 
     results = {}
     # --- stand-ins: each needed, each against a reference
@@ -252,7 +254,7 @@ def tp1_cases():
 def _preprocess(llava, reference, batch, tiles):
     """LLaVAModel._preprocess_data on ``batch`` (inputs prepared as LLaVAModel.forward prepares them):
     its labels and mask, and how far its embeddings are from the oracle-built ones (the reference's)."""
-    from mtp_overlay.testing import tiny_llava
+    from mtp_overlay.bed.models import tiny_llava
 
     ids = batch["input_ids"].clone()
     ids[ids == llava.image_token_index] = 0  # llava_model.py:1223-1224
@@ -274,7 +276,7 @@ def _preprocess(llava, reference, batch, tiles):
 
 def omni_cases():
     """Rank worker (TP1): the Bridge 0.6 Nemotron Omni provider's LLaVAModel, text-only, with and without MTP."""
-    from mtp_overlay.testing import tiny_llava
+    from mtp_overlay.bed.models import tiny_llava
 
     batch = _batch([[], []])
     for key in ("input_ids", "labels"):  # the sound token stays out of the text (build_bridge_omni)
@@ -345,7 +347,7 @@ def test_each_llava_construction_stand_in_is_needed_and_matches_its_reference(tp
 
 
 def test_te_version_stand_in_answers_as_te_1_10_and_is_needed_for_cp():
-    from mtp_overlay.testing.cpu_shims import _te_1_10_min_version
+    from mtp_overlay.bed.runtime.cpu_shims import _te_1_10_min_version
 
     assert _te_1_10_min_version("1.10.0") and _te_1_10_min_version("1.9.1")
     assert not _te_1_10_min_version("1.10.1") and not _te_1_10_min_version("1.10.0", check_equality=False)
@@ -499,7 +501,7 @@ def test_bridge_nemotron_omni_provider_builds_a_llava_model_that_crashes_with_mt
 
 
 def _step_arguments(**change):
-    from mtp_overlay.testing.megatron_step import check_step_arguments
+    from mtp_overlay.bed.steps.megatron_step import check_step_arguments
 
     arguments = dict(microbatches=[_batch(STEP_BATCHES[0])], loss="2-output", labels=True, mtp_grad_scale=None,
                      per_token=False, update=False, optimizer=None)

@@ -1,4 +1,4 @@
-"""The vLLM Worker test bed (mtp_overlay.testing.vllm_worker): vLLM 0.33's own weight-update
+"""The vLLM Worker test bed (mtp_overlay.bed.steps.vllm_worker): vLLM 0.33's own weight-update
 sessions on CPU with the tiny NemotronH target and the real NemotronHMTP drafter, and the stale
 drafter they leave on stock.
 
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import mtp_overlay
-from mtp_overlay.testing.vllm_worker import (
+from mtp_overlay.bed.steps.vllm_worker import (
     ENGINES,
     RUNNERS,
     SEQUENCES,
@@ -259,7 +259,7 @@ def test_a_positional_call_then_an_mtp_call_loads_nothing_then_everything_silent
 def test_accelerator_synchronize_stand_in_is_needed_scoped_and_steps_aside_with_an_accelerator():
     from unittest import mock
 
-    from mtp_overlay.testing.cpu_shims import accelerator_synchronize_stand_in
+    from mtp_overlay.bed.runtime.cpu_shims import accelerator_synchronize_stand_in
 
     real = torch.accelerator.synchronize
     if not torch.accelerator.is_available():
@@ -278,7 +278,7 @@ SCRIPT_0_25_1 = """
 import dataclasses, json, warnings
 warnings.simplefilter("ignore")
 import vllm, mtp_overlay
-from mtp_overlay.testing.vllm_worker import ENGINES, RUNNERS, run_sequence, worker_environment
+from mtp_overlay.bed.steps.vllm_worker import ENGINES, RUNNERS, run_sequence, worker_environment
 from vllm.distributed.weight_transfer import base
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 from vllm.v1.worker.gpu_worker import Worker
@@ -300,7 +300,7 @@ print(json.dumps(out))
 
 @pytest.fixture(scope="module")
 def vllm_0_25_1():
-    from mtp_overlay.testing.releases import release_site, run_json
+    from mtp_overlay.bed.runtime.releases import release_site, run_json
 
     return run_json(release_site("vllm", "0.25.1"), SCRIPT_0_25_1, timeout=900)
 

@@ -23,8 +23,8 @@ import dataclasses
 import numpy as np
 import pytest
 
-from mtp_overlay.testing.launcher import run_ranks_checked
-from mtp_overlay.testing.tiny_hybrid import MAMBA_CHUNK_SIZE, MAMBA_SETTINGS
+from mtp_overlay.bed.runtime.launcher import run_ranks_checked
+from mtp_overlay.bed.models.tiny_hybrid import MAMBA_CHUNK_SIZE, MAMBA_SETTINGS
 
 PATTERN = "M*M-/M*-"
 MAMBA_LAYERS = 3  # two in the decoder, one in the MTP depth
@@ -43,7 +43,7 @@ LAYOUTS = {
 
 
 def _rows(pad_multiple):
-    from mtp_overlay.testing.packed import make_packed_row
+    from mtp_overlay.bed.models.packed import make_packed_row
 
     return {flavour: make_packed_row(LENGTHS, pad_multiple=pad_multiple, flavour=flavour, prompts=PROMPTS)
             for flavour in ("padded", "unpadded")}
@@ -73,7 +73,7 @@ class _Calls:
     seq_idx: list = dataclasses.field(default_factory=list)
 
     def shims(self, module):
-        from mtp_overlay.testing.cpu_shims import Shim
+        from mtp_overlay.bed.runtime.cpu_shims import Shim
 
         def counted(name, function):
             def call(*args, **kwargs):
@@ -95,10 +95,10 @@ def layout_steps(layout):
     import torch
     from megatron.core.ssm import mamba_context_parallel, mamba_mixer
 
-    from mtp_overlay.testing import cpu_shims
-    from mtp_overlay.testing.megatron_step import MegatronStep
-    from mtp_overlay.testing.packed import make_packed_row
-    from mtp_overlay.testing.tiny_hybrid import build_tiny_hybrid
+    from mtp_overlay.bed.runtime import cpu_shims
+    from mtp_overlay.bed.steps.megatron_step import MegatronStep
+    from mtp_overlay.bed.models.packed import make_packed_row
+    from mtp_overlay.bed.models.tiny_hybrid import build_tiny_hybrid
 
     _, tp, cp, sp, pad = LAYOUTS[layout]
     model = build_tiny_hybrid(hybrid_layer_pattern=PATTERN, sequence_parallel=sp, calculate_per_token_loss=True)
@@ -152,7 +152,7 @@ def _module_facts(model):
     from megatron.core.ssm.mamba_mixer import MambaMixer
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
-    from mtp_overlay.testing import cpu_shims
+    from mtp_overlay.bed.runtime import cpu_shims
 
     layers = [module for module in model.modules() if isinstance(module, MambaLayer)]
     return dict(
@@ -184,7 +184,7 @@ def test_stand_ins_are_scoped_to_the_shims_and_leave_nothing_behind():
 
     from megatron.core.ssm import mamba_context_parallel, mamba_mixer
 
-    from mtp_overlay.testing import cpu_shims
+    from mtp_overlay.bed.runtime import cpu_shims
 
     assert not cpu_shims.installed()
     stock = {name: vars(mamba_mixer)[name] for name in STOOD_IN}
@@ -220,7 +220,7 @@ def test_tp_shards_follow_the_components_of_partition_sizes():
     both (what the test bed's gradient gathering and TP-independent Mamba weights rely on)."""
     import torch
 
-    from mtp_overlay.testing.tp_layout import tp_shard, tp_unshard
+    from mtp_overlay.bed.oracles.tp_layout import tp_shard, tp_unshard
 
     full = torch.arange(16.0).reshape(8, 2)  # at TP2: a 6-row component, then a 2-row one
     packed, plain = torch.empty(4, 2), torch.empty(4, 2)
@@ -317,7 +317,7 @@ def test_a_gated_fc1_is_unsharded_by_its_partition_stride_as_megatron_core_draws
     import torch
     from megatron.core.tensor_parallel.layers import _initialize_affine_weight_cpu
 
-    from mtp_overlay.testing.tp_layout import tp_shard, tp_unshard
+    from mtp_overlay.bed.oracles.tp_layout import tp_shard, tp_unshard
 
     ffn, hidden, tp = 6, 4, 2
     shards, master = [], None

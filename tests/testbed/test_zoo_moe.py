@@ -12,7 +12,7 @@ layout with every case of it batched:
 * the zoo builds the layers its pattern names and refuses what the local spec cannot build;
 * it trains (two Adam steps, the loss falls, every parameter, each rank's experts included, gets a
   gradient);
-* its parity rows (``testing.parity``) equal the per-sequence reference with the aux-loss
+* its parity rows (``bed.engines.parity``) equal the per-sequence reference with the aux-loss
   coefficient 0 (BSHD and packed THD, both flavours): the overlay always, stock where no fix is
   needed, and stock differs where ``parity.row_needs`` names a fix. With the aux loss on (BSHD only:
   the load-balancing loss is a function of the whole batch's routing) stock at every layout equals
@@ -20,7 +20,7 @@ layout with every case of it batched:
   (``parity.MTP_MOE_ROUTER``), and the overlay (mtp-moe-router among its fixes) equals it;
 * the alltoall dispatcher's CPU stand-ins (``cpu_shims``) are checked against the allgather
   dispatcher (no stand-in) on the same model and batch, and each is shown needed;
-* the aux-loss measurement the MoE-router fix needs (``testing.moe``): stock's MTP router gradient
+* the aux-loss measurement the MoE-router fix needs (``bed.steps.moe``): stock's MTP router gradient
   from the aux loss alone is exactly ``mtp_num_layers`` times the gradient with ``is_mtp_layer`` set
   by hand on the instances, and stock logs the MTP aux loss in the backbone layer's slot.
 
@@ -32,10 +32,10 @@ module ~100 s).
 import numpy as np
 import pytest
 
-from mtp_overlay.testing import parity
-from mtp_overlay.testing.bridge import BRIDGE_MISSING, bridge_installed
-from mtp_overlay.testing.launcher import run_ranks_checked
-from mtp_overlay.testing.tiny_hybrid import ZOO_PATTERN
+from mtp_overlay.bed.engines import parity
+from mtp_overlay.bed.models.bridge import BRIDGE_MISSING, bridge_installed
+from mtp_overlay.bed.runtime.launcher import run_ranks_checked
+from mtp_overlay.bed.models.tiny_hybrid import ZOO_PATTERN
 
 EXACT = 1e-6  # max |Δgrad| of float32 gradients summed in another order (measured: <= 1e-7)
 LOSS = 1e-5  # relative, losses
@@ -71,8 +71,8 @@ def build_facts(sp):
     import torch
     from megatron.core.transformer.moe import moe_utils, token_dispatcher
 
-    from mtp_overlay.testing import cpu_shims
-    from mtp_overlay.testing.tiny_hybrid import build_tiny_hybrid, build_zoo
+    from mtp_overlay.bed.runtime import cpu_shims
+    from mtp_overlay.bed.models.tiny_hybrid import build_tiny_hybrid, build_zoo
 
     facts = dict(zoo=_layers(build_zoo()), allgather=_layers(build_zoo(moe_token_dispatcher_type="allgather")))
     refusals = {}
@@ -97,10 +97,10 @@ def build_facts(sp):
 
 def bridge_facts(sp):
     """The NemotronH MoE provider's model: provider, config keys from the HF config, layers."""
-    from mtp_overlay.testing.bridge import build_bridge_model, bridge_provider
+    from mtp_overlay.bed.models.bridge import build_bridge_model, bridge_provider
 
     provider = bridge_provider("nemotron_h_zoo")
-    with parity._own_attention_backend():
+    with bridge.own_attention_backend():
         model = build_bridge_model("nemotron_h_zoo")
     keys = ("num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
             "mtp_num_layers", "mtp_use_repeated_layer", "hybrid_layer_pattern", "moe_token_dispatcher_type",
@@ -133,9 +133,9 @@ def _kind(value):
 
 def train(sp):
     """Two steps of megatron-core's Adam through Megatron's step on one BSHD batch (SFT, aux loss on)."""
-    from mtp_overlay.testing.megatron_step import MegatronStep
-    from mtp_overlay.testing.tiny_gpt import make_batch
-    from mtp_overlay.testing.tiny_hybrid import build_zoo
+    from mtp_overlay.bed.steps.megatron_step import MegatronStep
+    from mtp_overlay.bed.models.tiny_gpt import make_batch
+    from mtp_overlay.bed.models.tiny_hybrid import build_zoo
 
     step = MegatronStep(build_zoo(sequence_parallel=sp), optimizer="megatron")
     first = step.step([make_batch()], loss="3-output")
@@ -148,8 +148,8 @@ def train(sp):
 def aux(sp, bridge=False):
     """The aux loss's gradient alone (`moe.aux_loss_gradients`), stock and with the MTP block's MoE
     layers flagged by hand, on the parity table's BSHD batch (RL forward, per-token loss)."""
-    from mtp_overlay.testing import moe
-    from mtp_overlay.testing.megatron_step import MegatronStep
+    from mtp_overlay.bed.steps import moe
+    from mtp_overlay.bed.steps.megatron_step import MegatronStep
 
     model = "bridge zoo, aux loss" if bridge else "zoo, aux loss"
     out = {}
@@ -172,9 +172,9 @@ def dispatchers(sp):
     upstream's object in turn: the error it gives."""
     from megatron.core.transformer.moe import token_dispatcher
 
-    from mtp_overlay.testing import cpu_shims
-    from mtp_overlay.testing.megatron_step import MegatronStep
-    from mtp_overlay.testing.tiny_hybrid import build_zoo
+    from mtp_overlay.bed.runtime import cpu_shims
+    from mtp_overlay.bed.steps.megatron_step import MegatronStep
+    from mtp_overlay.bed.models.tiny_hybrid import build_zoo
 
     batches = [parity.microbatch(parity.Case("zoo", "bshd")),
                parity.microbatch(parity.Case("zoo", "padded", pad_multiple=parity.PARALLELISMS["TP1"]["pad_multiple"]))]
@@ -200,8 +200,9 @@ def dispatchers(sp):
 def upstream_experts(sp):
     """The zoo's BSHD parity case with each rank building only its own experts (upstream's expert
     builder called directly, not through `tiny_hybrid.experts_of_every_rank`)."""
-    from mtp_overlay.testing import cpu_shims, tiny_hybrid
-    from mtp_overlay.testing.megatron_step import MegatronStep
+    from mtp_overlay.bed.runtime import cpu_shims
+    from mtp_overlay.bed.models import tiny_hybrid
+    from mtp_overlay.bed.steps.megatron_step import MegatronStep
 
     def own_experts_only(build_experts, num_local_experts, config, *, pg_collection, name=None):
         return build_experts(num_local_experts, config, pg_collection=pg_collection, name=name)
@@ -454,7 +455,7 @@ def test_host_stand_in_matches_upstream_on_a_device_tensor():
     import torch
     from megatron.core.transformer.moe import moe_utils
 
-    from mtp_overlay.testing.cpu_shims import _to_host
+    from mtp_overlay.bed.runtime.cpu_shims import _to_host
 
     device = torch.tensor([5, 0, 2], device="cuda")
     upstream = moe_utils.maybe_move_tensor_to_cpu(device, as_numpy=True)

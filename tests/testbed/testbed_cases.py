@@ -6,7 +6,7 @@ none: stock megatron-core), and returns ``{case name: result}`` in plain numbers
 """
 
 from mtp_overlay.mtp import padding_multiple
-from mtp_overlay.testing.cases import use_fixes
+from mtp_overlay.bed.runtime.cases import use_fixes
 
 # four sequences of random lengths in [3, 15] (seeded: 9, 12, 6, 4) and their prompt lengths (the
 # loss mask leaves a sequence's prompt out)
@@ -28,13 +28,13 @@ LAYOUTS = {
 
 
 def lengths():
-    from mtp_overlay.testing.packed import random_lengths
+    from mtp_overlay.bed.models.packed import random_lengths
 
     return random_lengths(len(PROMPTS), *LENGTH_RANGE, seed=SEED)
 
 
 def packed_row(pad_multiple, flavour="padded"):
-    from mtp_overlay.testing.packed import make_packed_row
+    from mtp_overlay.bed.models.packed import make_packed_row
 
     return make_packed_row(lengths(), pad_multiple=pad_multiple, flavour=flavour, prompts=PROMPTS)
 
@@ -130,16 +130,16 @@ def run_plan(cases):
 
 
 def _build(model, **kwargs):
-    from mtp_overlay.testing.tiny_gpt import build_tiny_gpt
-    from mtp_overlay.testing.tiny_hybrid import build_tiny_hybrid
+    from mtp_overlay.bed.models.tiny_gpt import build_tiny_gpt
+    from mtp_overlay.bed.models.tiny_hybrid import build_tiny_hybrid
 
     return {"gpt": build_tiny_gpt, "hybrid": build_tiny_hybrid}[model](**kwargs)
 
 
 def _run_bshd(model, case):
     """tiny_gpt.train_step on its default batch: StepResult, full gradients (and parameters)."""
-    from mtp_overlay.testing.packed import _portable, full_grads
-    from mtp_overlay.testing.tiny_gpt import make_batch, train_step
+    from mtp_overlay.bed.models.packed import _portable, full_grads
+    from mtp_overlay.bed.models.tiny_gpt import make_batch, train_step
 
     try:
         step = train_step(model, make_batch())
@@ -153,7 +153,7 @@ def _run_bshd(model, case):
 
 
 def _run_packed(model, case):
-    from mtp_overlay.testing.packed import SelfSlicingCP, run_packed
+    from mtp_overlay.bed.models.packed import SelfSlicingCP, run_packed
 
     if case.get("wrapper"):
         model = SelfSlicingCP(model)
@@ -162,7 +162,7 @@ def _run_packed(model, case):
 
 
 def _run_reference(model, case):
-    from mtp_overlay.testing.packed import run_reference
+    from mtp_overlay.bed.models.packed import run_reference
 
     return run_reference(model, packed_row(**case["row"]), labels=case["labels"]).portable()
 

@@ -12,8 +12,8 @@ from pins import MEGATRON_CORE
 
 from mtp_overlay import declarations, registry
 from mtp_overlay.contract import distribution_version
-from mtp_overlay.testing.bridge import import_stand_ins
-from mtp_overlay.testing.releases import (
+from mtp_overlay.bed.models.bridge import import_stand_ins
+from mtp_overlay.bed.runtime.releases import (
     bridge_main_site,
     copy_installed,
     megatron_main_site,

@@ -13,8 +13,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mtp_overlay.testing import llava_oracle
-from mtp_overlay.testing.verify import multimodal_microbatch
+from mtp_overlay.bed.oracles import llava_oracle
+from mtp_overlay.bed.engines.verify import multimodal_microbatch
 from mtp_overlay.verification import data, oracle, vision
 from mtp_overlay.verification.layout import Layout
 

@@ -56,11 +56,11 @@ def test_the_oracle_is_what_the_rolls_train_from_the_definition(sequences, depth
 @PROPERTY
 @given(samples(), st.integers(1, 3))
 def test_the_oracle_agrees_with_the_test_beds_expected_mtp(sequences, depth):
-    """``testing.packed.expected_mtp`` (the packed tests' oracle, written independently) on the same
+    """``bed.models.packed.expected_mtp`` (the packed tests' oracle, written independently) on the same
     texts and prompts, packed one after the other, RL convention, in sequence space."""
     from types import SimpleNamespace
 
-    from mtp_overlay.testing.packed import expected_mtp
+    from mtp_overlay.bed.models.packed import expected_mtp
 
     lengths = [sequence.length for sequence in sequences]
     starts = [sum(lengths[:index]) for index in range(len(lengths) + 1)]

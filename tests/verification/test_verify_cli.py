@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from mtp_overlay.testing.bridge import BRIDGE_MISSING, bridge_installed
-from mtp_overlay.testing.releases import link_installed
+from mtp_overlay.bed.models.bridge import BRIDGE_MISSING, bridge_installed
+from mtp_overlay.bed.runtime.releases import link_installed
 from mtp_overlay.verification import data, oracle
 
 CONFIG = Path(__file__).parent / "configs" / "nemotron_h_like"

@@ -1,4 +1,4 @@
-"""``mtp_overlay.verify`` on real runs: the test bed's engine in this process (`testing.verify.Engine`, the
+"""``mtp_overlay.verify`` on real runs: the test bed's engine in this process (`bed.engines.verify.Engine`, the
 suite's shared rank pools) builds the shrunk configs with Megatron-Bridge's providers and runs Megatron's
 own step; the product judges. What the CLI does, without the child process (the one run of the CLI
 itself is tests/verification/test_verify_cli.py).
@@ -16,7 +16,7 @@ import torch
 from saved_by_transformers import nemotron_h, saved
 
 from mtp_overlay import verification
-from mtp_overlay.testing.bridge import BRIDGE_MISSING, bridge_installed
+from mtp_overlay.bed.models.bridge import BRIDGE_MISSING, bridge_installed
 from mtp_overlay.verification import data
 
 CONFIG = Path(__file__).parent / "configs" / "nemotron_h_like"
@@ -24,7 +24,7 @@ needs_bridge = pytest.mark.skipif(not bridge_installed(), reason=BRIDGE_MISSING)
 
 
 def engine(lines=None):
-    from mtp_overlay.testing.verify import Engine
+    from mtp_overlay.bed.engines.verify import Engine
 
     return Engine(2, progress=(lines.append if lines is not None else None))
 
@@ -33,7 +33,7 @@ def engine(lines=None):
 def test_the_engines_microbatch_holds_the_products_sequences_where_its_slot_map_says(packing):
     """Every slot the engine's slot map puts at (sequence, position) holds that token, its label and the
     mask of the oracle's convention; every other slot is padding (token 0, masks 0)."""
-    from mtp_overlay.testing.verify import microbatch
+    from mtp_overlay.bed.engines.verify import microbatch
 
     sequences = data.draw([(9, 2), (12, 0), (6, 3), (4, 1)], 128, seed=5)
     plan = dict(sequences=[list(s.tokens) for s in sequences], prompts=[s.prompt for s in sequences], forward="rl",
@@ -61,7 +61,7 @@ def test_the_engines_microbatch_holds_the_products_sequences_where_its_slot_map_
 @pytest.mark.parametrize("pattern, stages, staged", [("ME*-", 2, "ME|*-"), ("ME*", 2, "ME|*"), ("M*E-M", 3, "M*|E-|M"),
                                                      ("M|E*", 1, "ME*")])
 def test_a_hybrid_pattern_is_cut_into_one_segment_per_stage(pattern, stages, staged):
-    from mtp_overlay.testing.verify import staged_pattern
+    from mtp_overlay.bed.engines.verify import staged_pattern
 
     assert staged_pattern(pattern, stages) == staged
 

@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 
 from mtp_overlay.fixes.bridge_mtp_export import exported
-from mtp_overlay.testing import bridge_step
-from mtp_overlay.testing.bridge import BRIDGE_MISSING, bridge_installed
-from mtp_overlay.testing.launcher import run_ranks_checked
-from mtp_overlay.testing.releases import link_installed, run_json
-from mtp_overlay.testing.reproducers import reproduce
+from mtp_overlay.bed.steps import bridge_step
+from mtp_overlay.bed.models.bridge import BRIDGE_MISSING, bridge_installed
+from mtp_overlay.bed.runtime.launcher import run_ranks_checked
+from mtp_overlay.bed.runtime.releases import link_installed, run_json
+from mtp_overlay.bed.fixes import reproduce
 
 FIX = "bridge-mtp-export"
 ROOT = Path(__file__).resolve().parents[3]
@@ -73,7 +73,7 @@ def install_exactly(fixes):
 def tp1_worker():
     """Rank worker: `export_case` finalized and not, and Bridge issue #5946's namespace provider,
     stock and with the fix."""
-    from mtp_overlay.testing.bridge import import_bridge
+    from mtp_overlay.bed.models.bridge import import_bridge
 
     import_bridge()
     from megatron.bridge.models.nemotronh.nemotron_h_bridge import NemotronHBridge
@@ -139,7 +139,7 @@ REPORT = """
 import json, warnings
 warnings.simplefilter("ignore")
 import mtp_overlay
-from mtp_overlay.testing.bridge_step import import_gpt_step
+from mtp_overlay.bed.steps.bridge_step import import_gpt_step
 import_gpt_step()
 import megatron.bridge.models.nemotronh.nemotron_h_bridge as module
 row = mtp_overlay.status(only=["bridge-mtp-export"])[0]

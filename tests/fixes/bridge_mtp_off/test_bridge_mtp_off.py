@@ -9,10 +9,10 @@ tiny providers finalized from each way a pattern can arrive and each numeric zer
 
 import pytest
 
-from mtp_overlay.testing import bridge_step
-from mtp_overlay.testing.bridge import BRIDGE_MISSING, bridge_installed
-from mtp_overlay.testing.launcher import run_ranks_checked
-from mtp_overlay.testing.reproducers import reproduce
+from mtp_overlay.bed.steps import bridge_step
+from mtp_overlay.bed.models.bridge import BRIDGE_MISSING, bridge_installed
+from mtp_overlay.bed.runtime.launcher import run_ranks_checked
+from mtp_overlay.bed.fixes import reproduce
 
 FIX = "bridge-mtp-off"
 MAIN, MTP = "*-*-", "*-"  # bridge.tiny_hf_config's NemotronH patterns
@@ -52,19 +52,19 @@ def finalized(fields):
     import torch
     from megatron.bridge.models.hybrid.hybrid_provider import HybridModelProvider
 
-    from mtp_overlay.testing.bridge import _local_overrides
+    from mtp_overlay.bed.models.bridge import local_overrides
 
     provider = HybridModelProvider(hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
                                    vocab_size=bridge_step.VOCAB_SIZE, **fields)
     seen = []
     for _ in range(2):
-        provider.apply_overrides_and_finalize(dtype=torch.float32, overrides=_local_overrides(provider))
+        provider.apply_overrides_and_finalize(dtype=torch.float32, overrides=local_overrides(provider))
         seen.append((provider.hybrid_layer_pattern, provider.mtp_num_layers, provider.mtp_hybrid_override_pattern))
     return seen
 
 
 def tp1_worker():
-    from mtp_overlay.testing.bridge import import_bridge
+    from mtp_overlay.bed.models.bridge import import_bridge
 
     import_bridge()
     result = {}

@@ -11,11 +11,11 @@ each in the shared rank pool. Measured (2 shared cores, loaded): TP1 run ~70 s, 
 
 import pytest
 
-from mtp_overlay.testing import bridge_step
-from mtp_overlay.testing.bridge import BRIDGE_MISSING, bridge_installed
-from mtp_overlay.testing.cases import failure_of
-from mtp_overlay.testing.launcher import run_ranks_checked
-from mtp_overlay.testing.reproducers import reproduce
+from mtp_overlay.bed.steps import bridge_step
+from mtp_overlay.bed.models.bridge import BRIDGE_MISSING, bridge_installed
+from mtp_overlay.bed.runtime.cases import failure_of
+from mtp_overlay.bed.runtime.launcher import run_ranks_checked
+from mtp_overlay.bed.fixes import reproduce
 
 FIX, LOSS_MASK_FIX, CP_FIX = "bridge-sft-mtp-mask", "mtp-loss-mask", "mtp-cp-loss-scale"
 KINDS = ("qwen3", "nemotron_h")
@@ -85,7 +85,7 @@ def edited_copy(module, edits, name):
     import types
     from pathlib import Path
 
-    from mtp_overlay.testing.bridge import import_stand_ins
+    from mtp_overlay.bed.models.bridge import import_stand_ins
 
     source = Path(module.__file__).read_text()
     for old, new in edits:

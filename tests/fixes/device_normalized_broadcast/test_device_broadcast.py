@@ -4,7 +4,7 @@ Every proof runs vLLM's own ``pack_tensors``, ``packed_nccl_broadcast_producer``
 ``NCCLTrainerWeightTransferEngine._broadcast``. On this CPU machine the communicator's device is
 ``meta`` (``torch.cat([cpu, meta])`` raises like ``torch.cat([cpu, cuda])`` does) or ``cpu`` for a
 real 2-process gloo broadcast. The CUDA-stream no-ops and PyNcclCommunicator stand-ins are test
-scaffolding from `mtp_overlay.testing.streams`.
+scaffolding from `mtp_overlay.bed.runtime.streams`.
 """
 
 import json
@@ -22,11 +22,11 @@ import mtp_overlay
 from mtp_overlay.contract import State
 from mtp_overlay.fixes.device_normalized_broadcast import FIX, to_device_stream
 from mtp_overlay.lifecycle import Lifecycle
-from mtp_overlay.testing import preloaded
-from mtp_overlay.testing.launcher import _free_port
-from mtp_overlay.testing.releases import edited_module, release_site, run_with_release
-from mtp_overlay.testing.reproducers import reproduce
-from mtp_overlay.testing.streams import RecordingCommunicator, host_streams
+from mtp_overlay.bed.runtime import preloaded
+from mtp_overlay.bed.runtime.launcher import _free_port
+from mtp_overlay.bed.runtime.releases import edited_module, release_site, run_with_release
+from mtp_overlay.bed.fixes import reproduce
+from mtp_overlay.bed.runtime.streams import RecordingCommunicator, host_streams
 from vllm.distributed.weight_transfer import base, nccl_engine, packed_tensor
 
 NAME = "device-normalized-broadcast"
@@ -544,7 +544,7 @@ import torch
 import mtp_overlay
 from vllm.distributed.weight_transfer import nccl_engine
 from mtp_overlay.fixes.device_normalized_broadcast import FIX
-from mtp_overlay.testing.streams import HostStream, RecordingCommunicator
+from mtp_overlay.bed.runtime.streams import HostStream, RecordingCommunicator
 
 NAME = "device-normalized-broadcast"
 engine, args_class = nccl_engine.NCCLWeightTransferEngine, nccl_engine.NCCLTrainerSendWeightsArgs

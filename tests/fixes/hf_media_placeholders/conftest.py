@@ -1,9 +1,9 @@
-"""One tiny processor (the seed's placeholder rule as its chat template, `mtp_overlay.testing.media_placeholders`)
+"""One tiny processor (the seed's placeholder rule as its chat template, `mtp_overlay.bed.steps.media_placeholders`)
 per session."""
 
 import pytest
 
-from mtp_overlay.testing import media_placeholders as mp
+from mtp_overlay.bed.steps import media_placeholders as mp
 
 
 @pytest.fixture(scope="session")

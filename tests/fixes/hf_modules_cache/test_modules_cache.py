@@ -21,7 +21,7 @@ import pytest
 from mtp_overlay import OverlayError, OverlayWarning, State
 from mtp_overlay.fixes import hf_modules_cache as modules_cache
 from mtp_overlay.fixes.hf_modules_cache import FIX
-from mtp_overlay.testing.remote_code import write_remote_code_model
+from mtp_overlay.bed.models.remote_code import write_remote_code_model
 
 HEAD = """
 import sys, ray
@@ -505,7 +505,7 @@ def test_hook_on_top_level_ray_wraps_init_lazily_and_probe_is_static(tmp_path):
     script = """
 import sys, mtp_overlay
 from mtp_overlay.fixes.hf_modules_cache import FIX
-from mtp_overlay.testing.remote_code import write_remote_code_model
+from mtp_overlay.bed.models.remote_code import write_remote_code_model
 assert "ray" not in sys.modules
 import ray, wrapt
 assert isinstance(vars(ray)["init"], wrapt.FunctionWrapper), type(vars(ray)["init"])

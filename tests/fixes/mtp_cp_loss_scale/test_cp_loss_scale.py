@@ -1,7 +1,7 @@
 """mtp-cp-loss-scale on real megatron-core (the pinned release), in Megatron's own training step.
 
 Every case runs the same step twice on the same weights and batch: stock (fix off) and fixed (fix
-on), at CP=1, CP=2 and TP2xCP2+SP (mtp_overlay.testing.reproducers.mtp_cp_loss_scale.measure:
+on), at CP=1, CP=2 and TP2xCP2+SP (mtp_overlay.bed.fixes.mtp_cp_loss_scale.measure:
 get_forward_backward_func -> DDP -> finalize_model_grads, every loss mode and mask). Stock
 normalises each CP rank's MTP loss by its own token counts (Megatron-LM PR #7498): the MTP gradient
 at CP>1 differs from CP=1's; fixed, it equals CP=1's.
@@ -15,9 +15,9 @@ from pathlib import Path
 import numpy
 import pytest
 
-from mtp_overlay.testing.launcher import run_ranks_checked
-from mtp_overlay.testing.releases import copy_installed, run_with_release
-from mtp_overlay.testing.reproducers.mtp_cp_loss_scale import MASKS, MODES, measure
+from mtp_overlay.bed.runtime.launcher import run_ranks_checked
+from mtp_overlay.bed.runtime.releases import copy_installed, run_with_release
+from mtp_overlay.bed.fixes.mtp_cp_loss_scale import MASKS, MODES, measure
 
 ROOT = Path(__file__).resolve().parents[3]
 PATCH = ROOT / "patches" / "mtp-cp-loss-scale" / "megatron-core" / "0.19.patch"
@@ -35,9 +35,9 @@ def all_reduces(sequence_parallel=False):
     import torch
 
     import mtp_overlay
-    from mtp_overlay.testing.megatron_step import MegatronStep
-    from mtp_overlay.testing.reproducers.mtp_cp_loss_scale import microbatch
-    from mtp_overlay.testing.tiny_gpt import build_tiny_gpt
+    from mtp_overlay.bed.steps.megatron_step import MegatronStep
+    from mtp_overlay.bed.fixes.mtp_cp_loss_scale import microbatch
+    from mtp_overlay.bed.models.tiny_gpt import build_tiny_gpt
 
     calls, original = [], torch.distributed.all_reduce
 
@@ -170,8 +170,8 @@ def test_moe_aux_loss_is_untouched(cp1, cp2):
 PATCHED_RUN = """
 import pickle
 import megatron.core.transformer.multi_token_prediction as m
-from mtp_overlay.testing.launcher import run_ranks_checked
-from mtp_overlay.testing.reproducers.mtp_cp_loss_scale import measure
+from mtp_overlay.bed.runtime.launcher import run_ranks_checked
+from mtp_overlay.bed.fixes.mtp_cp_loss_scale import measure
 assert m.__file__.startswith(%r), m.__file__
 results = run_ranks_checked(measure, 2, cp=2, fixes=[], kwargs=dict(variants=("stock",)))[0]
 open(%r, "wb").write(pickle.dumps(results))

@@ -14,7 +14,7 @@ import re
 
 import pytest
 
-from mtp_overlay.testing.launcher import run_ranks, run_ranks_checked
+from mtp_overlay.bed.runtime.launcher import run_ranks, run_ranks_checked
 
 FIXES = ["mtp-loss-mask", "mtp-packed-roll", "mtp-cp-loss-scale"]
 # case -> (fixes installed on every rank, {rank: fixes it lacks}, MTP depth, loss, per-token, packed)
@@ -35,10 +35,10 @@ def mismatched_cases():
     import mtp_overlay
     from mtp_overlay.contract import OverlayError
     from mtp_overlay.fixes import peers
-    from mtp_overlay.testing import parity
-    from mtp_overlay.testing.megatron_step import MegatronStep
-    from mtp_overlay.testing.reproducers.mtp_cp_loss_scale import microbatch
-    from mtp_overlay.testing.tiny_gpt import build_tiny_gpt
+    from mtp_overlay.bed.engines import parity
+    from mtp_overlay.bed.steps.megatron_step import MegatronStep
+    from mtp_overlay.bed.fixes.mtp_cp_loss_scale import microbatch
+    from mtp_overlay.bed.models.tiny_gpt import build_tiny_gpt
 
     out = {}
     for name, (fixes, lacking, depth, loss, per_token, packed) in CASES.items():
@@ -85,9 +85,9 @@ def overlay_on_rank_0_only():
 
     import mtp_overlay
     from mtp_overlay.fixes import peers
-    from mtp_overlay.testing.megatron_step import MegatronStep
-    from mtp_overlay.testing.reproducers.mtp_cp_loss_scale import microbatch
-    from mtp_overlay.testing.tiny_gpt import build_tiny_gpt
+    from mtp_overlay.bed.steps.megatron_step import MegatronStep
+    from mtp_overlay.bed.fixes.mtp_cp_loss_scale import microbatch
+    from mtp_overlay.bed.models.tiny_gpt import build_tiny_gpt
 
     mtp_overlay.uninstall()
     step = MegatronStep(build_tiny_gpt(), optimizer=None)

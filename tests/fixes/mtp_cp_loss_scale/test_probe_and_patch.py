@@ -16,7 +16,7 @@ import pytest
 from pins import MEGATRON_CORE
 
 from mtp_overlay.patching import engine
-from mtp_overlay.testing.releases import release_copy, run_json, run_with_release
+from mtp_overlay.bed.runtime.releases import release_copy, run_json, run_with_release
 
 # fresh interpreters on release copies: the full suite (the pin's probe: the contract and support-matrix tests)
 pytestmark = pytest.mark.slow

@@ -7,7 +7,7 @@ One rank runs every case, stock (fix uninstalled) and fixed, on the same weights
 
 import pytest
 
-from mtp_overlay.testing.launcher import run_ranks_checked
+from mtp_overlay.bed.runtime.launcher import run_ranks_checked
 
 FIX = "mtp-logprob-skip"
 MODELS = ("gpt", "zoo")
@@ -19,8 +19,8 @@ def cases_worker():
 
     import mtp_overlay
     from mtp_overlay import mtp
-    from mtp_overlay.testing.reproducers.mtp_logprob_skip import build, logprob_forward, stock_logprob_forward
-    from mtp_overlay.testing.tiny_gpt import make_batch, train_step
+    from mtp_overlay.bed.fixes.mtp_logprob_skip import build, logprob_forward, stock_logprob_forward
+    from mtp_overlay.bed.models.tiny_gpt import make_batch, train_step
 
     batch = make_batch()
     facts = {"status": {row.name: row.state for row in mtp_overlay.status()}[FIX]}

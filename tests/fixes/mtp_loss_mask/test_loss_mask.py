@@ -12,10 +12,10 @@ import pytest
 import torch
 from pins import MEGATRON_CORE
 
-from mtp_overlay.testing.cases import failure_of
-from mtp_overlay.testing.launcher import run_ranks_checked
-from mtp_overlay.testing.releases import copy_installed, release_site, run_with_release
-from mtp_overlay.testing.syncs import checks_mode
+from mtp_overlay.bed.runtime.cases import failure_of
+from mtp_overlay.bed.runtime.launcher import run_ranks_checked
+from mtp_overlay.bed.runtime.releases import copy_installed, release_site, run_with_release
+from mtp_overlay.bed.runtime.syncs import checks_mode
 
 FIX = "mtp-loss-mask"
 BATCH, SEQ = 4, 32
@@ -46,7 +46,7 @@ def mtp_positions(mask):
 def tp1_worker():
     import mtp_overlay
     from mtp_overlay import mtp
-    from mtp_overlay.testing.tiny_gpt import build_tiny_gpt, make_batch, train_step
+    from mtp_overlay.bed.models.tiny_gpt import build_tiny_gpt, make_batch, train_step
 
     model = build_tiny_gpt(**MODEL)
     batch = make_batch(batch_size=BATCH, seq_length=SEQ, vocab_size=VOCAB)
@@ -108,7 +108,7 @@ def make_cp_slicing(model):
     ``(output, sliced_loss_mask)`` when given a loss_mask."""
     from megatron.core.models.gpt import GPTModel
 
-    from mtp_overlay.testing.tiny_gpt import cp_slice
+    from mtp_overlay.bed.models.tiny_gpt import cp_slice
 
     class CPSlicingGPT(GPTModel):
         model_slices_context_parallel_inputs = True
@@ -141,7 +141,7 @@ def cp2_worker():
     from megatron.core import parallel_state
 
     from mtp_overlay import mtp
-    from mtp_overlay.testing.tiny_gpt import build_tiny_gpt, cp_slice, make_batch, train_step
+    from mtp_overlay.bed.models.tiny_gpt import build_tiny_gpt, cp_slice, make_batch, train_step
 
     cp, rank = parallel_state.get_context_parallel_world_size(), parallel_state.get_context_parallel_rank()
     model = build_tiny_gpt(**MODEL)
@@ -178,7 +178,7 @@ def dp2_worker():
     from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
     from mtp_overlay import mtp
-    from mtp_overlay.testing.tiny_gpt import build_tiny_gpt, make_batch
+    from mtp_overlay.bed.models.tiny_gpt import build_tiny_gpt, make_batch
 
     rank = dist.get_rank()
     model = build_tiny_gpt(mtp_num_layers=2, calculate_per_token_loss=True, **MODEL)

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from mtp_overlay import mtp
-from mtp_overlay.testing.launcher import run_ranks_checked
+from mtp_overlay.bed.runtime.launcher import run_ranks_checked
 
 ROLL, MASK, SCALE = "mtp-packed-roll", "mtp-loss-mask", "mtp-cp-loss-scale"
 LENGTHS, PROMPTS = (9, 12, 6, 4), (2, 0, 3, 1)
@@ -31,7 +31,7 @@ def trained_pairs(result):
 
 
 def expected_pairs(row):
-    from mtp_overlay.testing.packed import expected_mtp
+    from mtp_overlay.bed.models.packed import expected_mtp
 
     weights, targets = expected_mtp(row, labels=False)
     return sorted((slot, int(targets[slot])) for slot in range(len(weights)) if weights[slot] != 0)
@@ -41,8 +41,8 @@ def packed_cases(cases):
     """Rank worker: each (name, fixes, row kwargs, mask, route, aligned) case's packed RL forward on
     the tiny HybridModel with exactly those fixes; per case (trained pairs or the error, expected pairs)."""
     import mtp_overlay
-    from mtp_overlay.testing import parity
-    from mtp_overlay.testing.packed import make_packed_row, run_packed
+    from mtp_overlay.bed.engines import parity
+    from mtp_overlay.bed.models.packed import make_packed_row, run_packed
 
     mtp_overlay.uninstall()
     model = parity.build("hybrid")

@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from mtp_overlay.testing import parity
+from mtp_overlay.bed.engines import parity
 
 FIX = "mtp-moe-router"
 FIX_DIR = str(Path(__file__).resolve().parents[3] / "mtp_overlay" / "fixes" / "mtp_moe_router")
@@ -24,8 +24,8 @@ def aux_step(model, sp):
     overlay; per variant the MTP and backbone router gradients, the logged slots, the losses, what the
     MTP block's MoE layers say, and which of the fix's functions ran while building and stepping."""
     import mtp_overlay
-    from mtp_overlay.testing import moe
-    from mtp_overlay.testing.megatron_step import MegatronStep
+    from mtp_overlay.bed.steps import moe
+    from mtp_overlay.bed.steps.megatron_step import MegatronStep
 
     out = {}
     for variant, (fixes, flag) in VARIANTS.items():
@@ -54,10 +54,10 @@ def two_backbone_moe(fixes, replay=False):
     MTP router gradient and slots, or the error; with ``replay`` (built with routing replay, no step)
     the router replay instances in their order."""
     import mtp_overlay
-    from mtp_overlay.testing import moe
-    from mtp_overlay.testing.megatron_step import MegatronStep
-    from mtp_overlay.testing.tiny_gpt import make_batch
-    from mtp_overlay.testing.tiny_hybrid import build_tiny_hybrid
+    from mtp_overlay.bed.steps import moe
+    from mtp_overlay.bed.steps.megatron_step import MegatronStep
+    from mtp_overlay.bed.models.tiny_gpt import make_batch
+    from mtp_overlay.bed.models.tiny_hybrid import build_tiny_hybrid
 
     mtp_overlay.uninstall()
     mtp_overlay.install(only=list(fixes))
@@ -104,7 +104,7 @@ def router_classes():
     from megatron.core.transformer.moe.router import TopKRouter
 
     from mtp_overlay.fixes.mtp_moe_router import flag_moe_layers, logs_by_depth
-    from mtp_overlay.testing import moe
+    from mtp_overlay.bed.steps import moe
 
     class OwnLogging(TopKRouter):
         def attach_and_log_load_balancing_loss(self, *args, **kwargs):

@@ -30,8 +30,8 @@ from pins import MEGATRON_CORE
 
 from mtp_overlay.fixes.mtp_moe_router import verdict
 from mtp_overlay.fixes.mtp_moe_router.reading import MTP_FILE, ROUTER_FILE, STACKS
-from mtp_overlay.testing.launcher import run_ranks_checked
-from mtp_overlay.testing.releases import installed_site, release_copy, release_site, run_json, run_with_release
+from mtp_overlay.bed.runtime.launcher import run_ranks_checked
+from mtp_overlay.bed.runtime.releases import installed_site, release_copy, release_site, run_json, run_with_release
 
 # fresh interpreters on release copies: the full suite (the pin's probe: the contract and support-matrix tests)
 pytestmark = pytest.mark.slow
@@ -62,7 +62,7 @@ wrapped = sorted([owner.__name__, attribute] for owner, attribute in life.wrappe
 out = dict(state=row.state, reason=row.reason, version=row.version, patched=row.patched, wrapped=wrapped,
            verdict=check.verdict, check=check.reason)
 if {reproduce!r}:
-    from mtp_overlay.testing.reproducers import reproduce
+    from mtp_overlay.bed.fixes import reproduce
     out["reproduced"] = reproduce({fix!r})
 print(json.dumps(out))
 """
@@ -223,7 +223,7 @@ ON_PATCHED = """
 import json, sys
 sys.path.insert(0, {tests!r})
 from moe_router_cases import two_backbone_moe
-from mtp_overlay.testing.launcher import run_ranks_checked
+from mtp_overlay.bed.runtime.launcher import run_ranks_checked
 
 if __name__ == "__main__":
     import megatron.core

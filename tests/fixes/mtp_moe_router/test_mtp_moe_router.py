@@ -4,7 +4,7 @@ The zoo (``tiny_hybrid.build_zoo``: the Super recipe's MTP ``"*E"`` at 2 depths,
 with the MoE aux loss on (``parity``'s "zoo, aux loss"), one step of ``MegatronStep(aux_loss_only=True)``
 (only ``MoEAuxLossAutoScaler`` puts gradient anywhere), three ways on the same ranks and batch:
 stock (built and stepped without the overlay), flagged (stock, ``is_mtp_layer`` set by hand on the
-MTP block's MoE layers: `testing.moe`'s reference semantics, what Megatron-LM PR #6748 builds) and
+MTP block's MoE layers: `bed.steps.moe`'s reference semantics, what Megatron-LM PR #6748 builds) and
 the overlay (built and stepped with mtp-moe-router). At TP1, EP2 and TP2+SP (shared pools, one rank
 run per layout):
 
@@ -28,9 +28,9 @@ import numpy as np
 import pytest
 from moe_router_cases import FIX, VARIANTS, aux_step, facts_on, router_classes, two_backbone_moe
 
-from mtp_overlay.testing.bridge import BRIDGE_MISSING, bridge_installed
-from mtp_overlay.testing.launcher import run_ranks_checked
-from mtp_overlay.testing.tiny_hybrid import ZOO_PATTERN
+from mtp_overlay.bed.models.bridge import BRIDGE_MISSING, bridge_installed
+from mtp_overlay.bed.runtime.launcher import run_ranks_checked
+from mtp_overlay.bed.models.tiny_hybrid import ZOO_PATTERN
 
 RELERR = 1e-6
 MAIN, MTP = ZOO_PATTERN.split("/")[:2]
@@ -216,7 +216,7 @@ PR_6748 = (  # the edit of Megatron-LM PR #6748: HybridStack's MOE branch passes
 )
 ON_COPY = """
 import json, sys
-from mtp_overlay.testing.launcher import run_ranks_checked
+from mtp_overlay.bed.runtime.launcher import run_ranks_checked
 sys.path.insert(0, {tests!r})
 from moe_router_cases import two_backbone_moe
 
@@ -240,7 +240,7 @@ def test_upstreams_flag_alone_crashes_where_the_overlay_trains(tmp_path, tp1):
     the overlay gives the pinned release's overlay step exactly."""
     from pins import MEGATRON_CORE
 
-    from mtp_overlay.testing.releases import release_copy
+    from mtp_overlay.bed.runtime.releases import release_copy
 
     site = release_copy("megatron-core", MEGATRON_CORE, tmp_path / "site")
     path = site / "megatron/core/models/hybrid/hybrid_block.py"
@@ -264,7 +264,7 @@ def test_upstreams_flag_alone_crashes_where_the_overlay_trains(tmp_path, tp1):
 def test_the_reproducer_shows_the_bug_on_the_pinned_release():
     """The stock path `check --run` and the support matrix run: the MTP block built by the release's
     own MultiTokenPredictionBlock, its MoE layer once per depth."""
-    from mtp_overlay.testing.reproducers import reproduce
+    from mtp_overlay.bed.fixes import reproduce
 
     shows, evidence = reproduce(FIX)
     assert shows, evidence

@@ -2,7 +2,7 @@
 positions the combined mask allows, and equals its language model run on the hand-built combined ids.
 
 Every case runs megatron-core's own LLaVAModel (tiny: CLIP ViT, MLP projector, HybridModel language
-model with MTP; ``mtp_overlay.testing.tiny_llava``) on gloo ranks. Judged against the test bed's two
+model with MTP; ``mtp_overlay.bed.models.tiny_llava``) on gloo ranks. Judged against the test bed's two
 independent references: ``llava_oracle`` (plain torch: the combined layout and the (slot, target)
 pairs each MTP depth may train) and ``CombinedIdsReference`` (the same modules, the language model
 called directly with the oracle's combined ids and mask, sharded as LLaVAModel shards).
@@ -20,12 +20,12 @@ import pytest
 import torch
 from pins import MEGATRON_CORE
 
-from mtp_overlay.testing import llava_oracle
-from mtp_overlay.testing.bridge import BRIDGE_MISSING, bridge_installed
-from mtp_overlay.testing.cases import failure_of, use_fixes
-from mtp_overlay.testing.launcher import run_ranks_checked
-from mtp_overlay.testing.megatron_step import relative_error
-from mtp_overlay.testing.reproducers import reproduce
+from mtp_overlay.bed.oracles import llava_oracle
+from mtp_overlay.bed.models.bridge import BRIDGE_MISSING, bridge_installed
+from mtp_overlay.bed.runtime.cases import failure_of, use_fixes
+from mtp_overlay.bed.runtime.launcher import run_ranks_checked
+from mtp_overlay.bed.steps.megatron_step import relative_error
+from mtp_overlay.bed.fixes import reproduce
 
 FIX, LOSS_MASK, SP_SCATTER, CP_LOSS_SCALE = "mtp-multimodal", "mtp-loss-mask", "mtp-sp-scatter", "mtp-cp-loss-scale"
 LAYOUTS = {
@@ -45,7 +45,7 @@ TOLERANCE = 1e-6
 
 
 def _batch(positions, seed=0):
-    from mtp_overlay.testing.tiny_llava import make_llava_batch
+    from mtp_overlay.bed.models.tiny_llava import make_llava_batch
 
     return make_llava_batch(positions, seed=seed)
 
@@ -83,14 +83,14 @@ def _pairs(records, count):
 
 
 def _build(layout, pattern):
-    from mtp_overlay.testing import tiny_llava
+    from mtp_overlay.bed.models import tiny_llava
 
     return tiny_llava.build_tiny_llava(hybrid_layer_pattern=pattern, sequence_parallel=LAYOUTS[layout]["sp"])
 
 
 def _step(model):
     """Megatron's own step (2-output loss, gradients only) over the two microbatches of STEP_BATCHES."""
-    from mtp_overlay.testing.megatron_step import MegatronStep
+    from mtp_overlay.bed.steps.megatron_step import MegatronStep
 
     microbatches = [_batch(positions, seed) for seed, positions in enumerate(STEP_BATCHES)]
     return MegatronStep(model, optimizer=None).step(microbatches, loss="2-output", update=False)
@@ -98,7 +98,7 @@ def _step(model):
 
 def _recorded_step(model, results, key):
     """``_step`` with record_mtp: the result under ``key``, its trained and computed pairs beside it."""
-    from mtp_overlay.testing.packed import record_mtp
+    from mtp_overlay.bed.models.packed import record_mtp
 
     with record_mtp(model) as records:
         results[key] = _step(model)
@@ -110,7 +110,7 @@ def step_cases(layout):
     and on the combined-ids reference with the same fixes; the trained MTP pairs of both."""
     import functools
 
-    from mtp_overlay.testing import tiny_llava
+    from mtp_overlay.bed.models import tiny_llava
 
     spec, build = LAYOUTS[layout], functools.partial(_build, layout)
     results = {}
@@ -164,7 +164,7 @@ def rl_reference_call(reference, batch, input_mask):
     labels, its inputs sharded as LLaVAModel shards them (``CombinedIdsReference.forward``'s way)."""
     from megatron.core import tensor_parallel
 
-    from mtp_overlay.testing import tiny_llava
+    from mtp_overlay.bed.models import tiny_llava
 
     layout = tiny_llava.combined_layout(reference, dict(input_ids=batch["input_ids"]))
     sharding = _sharding()
@@ -182,7 +182,7 @@ def rl_reference_call(reference, batch, input_mask):
 def _rl_run(model, call):
     """One forward (``call``) and backward of a loss on the logits: the MTP loss's gradient comes in
     through MTPLossAutoScaler; the logits, the returned mask, the trained pairs, every gradient."""
-    from mtp_overlay.testing.packed import record_mtp
+    from mtp_overlay.bed.models.packed import record_mtp
 
     model.zero_grad(set_to_none=True)
     with record_mtp(model) as records:
@@ -199,7 +199,7 @@ def rl_cases(build, reference=True):
     """Rank worker part: LLaVAModel forwards without labels (RL), the caller's input-aligned mask given
     (or scoped, or none at TP1), against the reference run on the oracle's combined ids and mask."""
     from mtp_overlay import mtp
-    from mtp_overlay.testing import tiny_llava
+    from mtp_overlay.bed.models import tiny_llava
 
     batch = _batch(RL_BATCH, seed=3)
     call = dict(images=batch["images"], input_ids=batch["input_ids"], position_ids=batch["position_ids"],
@@ -372,7 +372,7 @@ def mimo_cases():
     against its language model run directly on the same embeddings with the oracle's ids and mask."""
     from megatron.core import parallel_state
 
-    from mtp_overlay.testing import tiny_llava
+    from mtp_overlay.bed.models import tiny_llava
 
     cp, rank = parallel_state.get_context_parallel_world_size(), parallel_state.get_context_parallel_rank()
     spec = MIMO_LAYOUTS["cp2" if cp > 1 else "tp1"]
@@ -446,7 +446,7 @@ def test_mimo_stock_crashes_the_fix_trains_the_text_targets_and_equals_the_direc
 def omni_case():
     """Rank worker (TP1): Megatron-Bridge 0.6's Nemotron Omni provider's model (NemotronOmniModel around
     LLaVAModel, RADIO ViT, HybridModel with MTP), a text-only batch with labels: stock, then with the fix."""
-    from mtp_overlay.testing import tiny_llava
+    from mtp_overlay.bed.models import tiny_llava
 
     batch = _batch([[], []])
     for key in ("input_ids", "labels"):  # the sound token stays out of the text (tiny_llava.build_bridge_omni)
@@ -600,7 +600,7 @@ def _wrapped(row):
 
 
 def _report(site="", **env):
-    from mtp_overlay.testing.releases import run_json
+    from mtp_overlay.bed.runtime.releases import run_json
 
     return run_json(str(site), REPORT, env={**os.environ, **env})
 
@@ -608,7 +608,7 @@ def _report(site="", **env):
 def _edited_copy(tmp_path, *edits, version=None, file=None):
     """A private megatron-core (the venv's, or ``version`` side by side) whose ``file`` (default:
     llava_model.py) has ``edits``."""
-    from mtp_overlay.testing.releases import link_installed, release_site
+    from mtp_overlay.bed.runtime.releases import link_installed, release_site
 
     file = file or LLAVA_FILE
     site = link_installed("megatron-core", tmp_path / "site", site=version and release_site("megatron-core", version),

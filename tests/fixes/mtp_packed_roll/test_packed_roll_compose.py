@@ -5,7 +5,7 @@ CP exchange (one all-gather on the CP group instead of world-group send/recv) an
 step's numbers exactly as stock's: the MTP loss, its token count and the MTP block's gradients.
 """
 
-from mtp_overlay.testing.launcher import run_ranks_checked
+from mtp_overlay.bed.runtime.launcher import run_ranks_checked
 
 ALL = ["mtp-sp-scatter", "mtp-loss-mask", "mtp-packed-roll"]
 
@@ -15,7 +15,7 @@ def step_with_and_without_the_fix():
 
     import mtp_overlay
     from mtp_overlay import mtp
-    from mtp_overlay.testing.tiny_gpt import build_tiny_gpt, cp_slice, make_batch, train_step
+    from mtp_overlay.bed.models.tiny_gpt import build_tiny_gpt, cp_slice, make_batch, train_step
 
     model = build_tiny_gpt()
     states = {row.name: row.state for row in mtp_overlay.status(only=ALL)}

@@ -15,8 +15,8 @@ import torch
 
 import mtp_overlay
 from mtp_overlay import registry
-from mtp_overlay.testing import packed_reference as ref
-from mtp_overlay.testing.launcher import run_ranks_checked
+from mtp_overlay.bed.oracles import packed_reference as ref
+from mtp_overlay.bed.runtime.launcher import run_ranks_checked
 
 FIX = "mtp-packed-roll"
 STEPS = ((5, 7), (2, 9), (8, 3))  # real lengths of three consecutive packings, all padded to 12 slots
@@ -110,8 +110,8 @@ def inference_forward():
     against the same forward under ``torch.no_grad()``; and the CP=2 packed rolls of inference tensors."""
     from megatron.core import parallel_state
 
-    from mtp_overlay.testing import parity
-    from mtp_overlay.testing.packed import cp_local
+    from mtp_overlay.bed.engines import parity
+    from mtp_overlay.bed.models.packed import cp_local
 
     model = parity.build("hybrid")
     model.eval()

@@ -16,7 +16,7 @@ from pins import MEGATRON_CORE
 
 from mtp_overlay.cli import main
 from mtp_overlay.patching.manifest import DEFAULT_PATH, load
-from mtp_overlay.testing.releases import copy_installed, release_site
+from mtp_overlay.bed.runtime.releases import copy_installed, release_site
 
 MODULE = "megatron/core/transformer/multi_token_prediction.py"
 FIX, OTHER = "mtp-packed-roll", "mtp-sp-scatter"

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from pins import MEGATRON_CORE
 
-from mtp_overlay.testing.releases import release_copy, run_json, run_with_release
+from mtp_overlay.bed.runtime.releases import release_copy, run_json, run_with_release
 
 # fresh interpreters on release copies: the full suite (the pin's probe: the contract and support-matrix tests)
 pytestmark = pytest.mark.slow
@@ -32,7 +32,7 @@ warnings.simplefilter("ignore")
 import torch
 import mtp_overlay
 import megatron.core.transformer.multi_token_prediction as m
-from mtp_overlay.testing.packed_reference import packed_params
+from mtp_overlay.bed.oracles.packed_reference import packed_params
 from mtp_overlay.patching.survey import patched_on_disk
 row = mtp_overlay.status(only=["mtp-packed-roll"], patched=patched_on_disk)[0]
 wrapped = sorted(attribute for _, attribute in mtp_overlay.registry.lifecycle("mtp-packed-roll").wrapped())
@@ -152,14 +152,14 @@ def test_unknown_signature_is_drift_naming_the_parameters(tmp_path):
 
 PATCHED_ROLLS = """
 import json
-from mtp_overlay.testing.launcher import run_ranks
+from mtp_overlay.bed.runtime.launcher import run_ranks
 
 
 def rolls():
     import torch
     from megatron.core import parallel_state
     import megatron.core.transformer.multi_token_prediction as m
-    from mtp_overlay.testing import packed_reference as ref
+    from mtp_overlay.bed import packed_reference as ref
 
     group = parallel_state.get_context_parallel_group()
     size, rank = group.size(), group.rank()

@@ -2,7 +2,7 @@
 
 Every case runs the installed ``roll_tensor`` with the fix on and the stock function (the installed
 upstream code, unwrapped) in the same test, position by position against an independent
-per-sequence reference (``mtp_overlay.testing.packed_reference``). CP=1 runs in this process under
+per-sequence reference (``mtp_overlay.bed.oracles.packed_reference``). CP=1 runs in this process under
 hypothesis; CP=2 and CP=4 replay batches of hypothesis-drawn packs inside one spawned gloo run each.
 """
 
@@ -16,10 +16,10 @@ from hypothesis import strategies as st
 
 import mtp_overlay
 from mtp_overlay import registry
-from mtp_overlay.testing import packed_reference as ref
-from mtp_overlay.testing.launcher import run_ranks_checked
-from mtp_overlay.testing.reproducers import mtp_packed_roll as reproducer
-from mtp_overlay.testing.syncs import checks_mode
+from mtp_overlay.bed.oracles import packed_reference as ref
+from mtp_overlay.bed.runtime.launcher import run_ranks_checked
+from mtp_overlay.bed.fixes import mtp_packed_roll as reproducer
+from mtp_overlay.bed.runtime.syncs import checks_mode
 
 FIX = "mtp-packed-roll"
 DTYPES = {"int64": torch.int64, "float32": torch.float32, "bool": torch.bool}

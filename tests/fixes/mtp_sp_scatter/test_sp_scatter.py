@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from mtp_overlay.testing.launcher import run_ranks, run_ranks_checked
-from mtp_overlay.testing.releases import copy_installed, release_site, run_with_release
+from mtp_overlay.bed.runtime.launcher import run_ranks, run_ranks_checked
+from mtp_overlay.bed.runtime.releases import copy_installed, release_site, run_with_release
 
 FIX = "mtp-sp-scatter"
 NOT_SCATTERING = dict(sequence_parallel=True, scatter_embedding_sequence_parallel=False)
@@ -19,7 +19,7 @@ PATCHES = Path(__file__).resolve().parents[3] / "patches" / FIX / "megatron-core
 
 
 def train(**model_kwargs):
-    from mtp_overlay.testing.tiny_gpt import build_tiny_gpt, make_batch, train_step
+    from mtp_overlay.bed.models.tiny_gpt import build_tiny_gpt, make_batch, train_step
 
     return train_step(build_tiny_gpt(**model_kwargs), make_batch())
 
@@ -92,7 +92,7 @@ def mtp_embeddings(decoder_input_index):
     from megatron.core import __version__, parallel_state
     from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionLayer
 
-    from mtp_overlay.testing.tiny_gpt import build_tiny_gpt, make_batch
+    from mtp_overlay.bed.models.tiny_gpt import build_tiny_gpt, make_batch
 
     model = build_tiny_gpt(**NOT_SCATTERING)
     batch = make_batch()

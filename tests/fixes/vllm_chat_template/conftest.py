@@ -1,6 +1,6 @@
 """The vLLM worlds the vllm-chat-template tests look at, each observed once per session.
 
-A world is a vLLM install and what `mtp_overlay.testing.vllm_chat_template.observe` saw there:
+A world is a vLLM install and what `mtp_overlay.bed.steps.vllm_chat_template.observe` saw there:
 - the pinned vLLM (``pins.VLLM``): the venv's, in this process, the fix off (stock) and on (the hook);
 - "0.25.1": vLLM 0.25.1 side by side, in a subprocess, off and on;
 - "<pinned> patched", "0.25.1 patched": a copy of each carrying the fix's DEP-3 patch (applied with
@@ -11,8 +11,8 @@ import pytest
 from pins import VLLM
 
 from mtp_overlay.cli import main
-from mtp_overlay.testing.releases import copy_installed, release_site
-from mtp_overlay.testing.vllm_chat_template import observe, observe_in_subprocess
+from mtp_overlay.bed.runtime.releases import copy_installed, release_site
+from mtp_overlay.bed.steps.vllm_chat_template import observe, observe_in_subprocess
 
 VERSIONS = (VLLM, "0.25.1")
 MULTIMODAL = {VLLM: True, "0.25.1": False}  # 0.25.1's LLaVA does not import on transformers 5.20

@@ -18,8 +18,8 @@ from mtp_overlay.cli import main
 from mtp_overlay.fixes.vllm_chat_template import CONSUMERS, FIX
 from mtp_overlay.patching.manifest import DEFAULT_PATH, load, touched_files
 from mtp_overlay.patching.survey import marker_on_disk
-from mtp_overlay.testing.releases import edited_module
-from mtp_overlay.testing.reproducers import reproduce
+from mtp_overlay.bed.runtime.releases import edited_module
+from mtp_overlay.bed.fixes import reproduce
 
 NAME = "vllm-chat-template"
 VARIANT_OF = {VLLM: "0.33.patch", "0.25.1": "0.25.patch"}
@@ -167,7 +167,7 @@ def test_one_kwargs_dict_per_server_and_servers_apart(overlay, tmp_path):
     servers (two renderers) in one process keep their own values."""
     from vllm.config import ModelConfig
 
-    from mtp_overlay.testing import vllm_serving as vs
+    from mtp_overlay.bed.steps import vllm_serving as vs
 
     vs.offline_environment()
     model_config = ModelConfig(model=str(vs.write_tiny_model(tmp_path / "model", multimodal=False)))
@@ -196,7 +196,7 @@ def test_a_call_the_constructor_cannot_take_fails_as_on_stock(overlay):
     """No renderer to key a server by, or a missing required argument: upstream's own error, fix or not."""
     from vllm.entrypoints.serve.tokenize.serving import ServingTokenization
 
-    from mtp_overlay.testing import vllm_serving as vs
+    from mtp_overlay.bed.steps import vllm_serving as vs
 
     errors = []
     for on in (False, True):

@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 
 import mtp_overlay
 from mtp_overlay import OverlayError
-from mtp_overlay.testing import media_placeholders as mp
-from mtp_overlay.testing.reproducers import reproduce
+from mtp_overlay.bed.steps import media_placeholders as mp
+from mtp_overlay.bed.fixes import reproduce
 
 FIX = "vllm-media-placeholders"
 

@@ -1,6 +1,6 @@
 """vllm-mtp-drafter-load's freshness half on vLLM's own Worker sessions, model runners and engines (CPU).
 
-The test bed (`mtp_overlay.testing.vllm_worker`) runs the pinned vLLM's real ``Worker.start_weight_update /
+The test bed (`mtp_overlay.bed.steps.vllm_worker`) runs the pinned vLLM's real ``Worker.start_weight_update /
 start_draft_weight_update / update_weights / finish_weight_update``, both model runners'
 ``reload_weights`` and ``execute_model`` (stopped at its first statement), the engine
 ``WeightTransferEngineFactory`` makes, and the tiny NemotronH target with vLLM's real NemotronHMTP
@@ -21,8 +21,8 @@ import mtp_overlay
 from mtp_overlay import OverlayError, OverlayWarning
 from mtp_overlay.fixes.vllm_mtp_drafter_load import FIX, freshness, refits_behind
 from mtp_overlay.mtp import rollout_mtp_metrics
-from mtp_overlay.testing.releases import edited_module
-from mtp_overlay.testing.vllm_worker import (
+from mtp_overlay.bed.runtime.releases import edited_module
+from mtp_overlay.bed.steps.vllm_worker import (
     ENGINES,
     RUNNERS,
     SEQUENCES,
@@ -331,7 +331,7 @@ import json, warnings
 warnings.simplefilter("ignore")
 import vllm, mtp_overlay
 from mtp_overlay.fixes.vllm_mtp_drafter_load import FIX, refits_behind
-from mtp_overlay.testing.vllm_worker import RUNNERS, run_step, worker_environment
+from mtp_overlay.bed.steps.vllm_worker import RUNNERS, run_step, worker_environment
 from vllm.v1.worker import gpu_worker
 
 mtp_overlay.install(only=["vllm-mtp-drafter-load"])
@@ -353,7 +353,7 @@ print(json.dumps(out))
 
 @pytest.fixture(scope="module")
 def vllm_0_25_1():
-    from mtp_overlay.testing.releases import release_site, run_json
+    from mtp_overlay.bed.runtime.releases import release_site, run_json
 
     return run_json(release_site("vllm", "0.25.1"), SCRIPT_0_25_1, timeout=900)
 

@@ -3,7 +3,7 @@
 ``NemotronHMTP`` (reads ``mtp.*``) and ``DeepSeekMTP`` (reads positional ``model.layers.<2>.``) are
 made by vLLM's own ``initialize_model`` from tiny configs; their ``load_weights`` and weight loaders
 are vLLM's. The one stand-in (attention backend selection on ``UnspecifiedPlatform``) lives in
-`mtp_overlay.testing.vllm_drafter`. DeepSeek loads run under ``disable_mtp_completeness_check``, as
+`mtp_overlay.bed.steps.vllm_drafter`. DeepSeek loads run under ``disable_mtp_completeness_check``, as
 vLLM's weight-transfer engines run every refit: its per-call layer check would fail any chunk.
 """
 
@@ -16,7 +16,7 @@ import torch
 from pins import VLLM
 
 import mtp_overlay
-from mtp_overlay.testing.releases import edited_module
+from mtp_overlay.bed.runtime.releases import edited_module
 from mtp_overlay import OverlayError, OverlayWarning
 from mtp_overlay.fixes.vllm_mtp_drafter_load import (
     FIX,
@@ -26,8 +26,8 @@ from mtp_overlay.fixes.vllm_mtp_drafter_load import (
     last_call_report,
     last_refit_report,
 )
-from mtp_overlay.testing.streams import RecordingCommunicator, ReplayCommunicator, host_streams
-from mtp_overlay.testing.vllm_drafter import (
+from mtp_overlay.bed.runtime.streams import RecordingCommunicator, ReplayCommunicator, host_streams
+from mtp_overlay.bed.steps.vllm_drafter import (
     KINDS,
     TARGET_NAMES,
     build_drafter,

@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from mtp_overlay.testing.releases import release_site, run_with_release
+from mtp_overlay.bed.runtime.releases import release_site, run_with_release
 
 pytestmark = pytest.mark.slow  # another vLLM release, installed side by side (~10 s to start it)
 
@@ -20,7 +20,7 @@ warnings.simplefilter("ignore")
 import vllm, mtp_overlay
 from mtp_overlay import OverlayError, OverlayWarning
 from mtp_overlay.fixes.vllm_mtp_drafter_load import FIX, counted, drafter_refit, last_refit_report
-from mtp_overlay.testing.vllm_drafter import build_drafter, changed, drafter_environment, refit_stream, snapshot
+from mtp_overlay.bed.steps.vllm_drafter import build_drafter, changed, drafter_environment, refit_stream, snapshot
 from vllm.model_executor.model_loader.reload import layerwise
 from vllm.model_executor.models import nemotron_h_mtp
 

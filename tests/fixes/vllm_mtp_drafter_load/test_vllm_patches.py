@@ -21,7 +21,7 @@ from pins import VLLM
 from mtp_overlay import registry
 from mtp_overlay.cli import main
 from mtp_overlay.patching.manifest import DEFAULT_PATH, load, touched_files
-from mtp_overlay.testing.releases import link_installed, record_sha256, release_site, run_with_release
+from mtp_overlay.bed.runtime.releases import link_installed, record_sha256, release_site, run_with_release
 
 REPO = Path(__file__).resolve().parents[3]
 FIXES = ("vllm-mtp-drafter-load", "device-normalized-broadcast")
@@ -88,8 +88,8 @@ warnings.simplefilter("ignore")
 import torch, vllm, mtp_overlay
 from mtp_overlay.fixes.vllm_mtp_drafter_load import FIX as DRAFTER_FIX, drafter_refit
 from mtp_overlay.fixes.device_normalized_broadcast import FIX as BROADCAST_FIX
-from mtp_overlay.testing.streams import HostStream, RecordingCommunicator, host_streams
-from mtp_overlay.testing.vllm_drafter import build_drafter, changed, drafter_environment, refit_stream, snapshot
+from mtp_overlay.bed.runtime.streams import HostStream, RecordingCommunicator, host_streams
+from mtp_overlay.bed.steps.vllm_drafter import build_drafter, changed, drafter_environment, refit_stream, snapshot
 from vllm.distributed.weight_transfer import nccl_engine, packed_tensor
 from vllm.model_executor.model_loader.reload import layerwise
 from vllm.model_executor.models import deepseek_mtp, nemotron_h_mtp, utils
@@ -162,7 +162,7 @@ import json, logging, os, warnings
 warnings.simplefilter("ignore")
 import mtp_overlay
 from mtp_overlay.fixes.vllm_mtp_drafter_load import refits_behind
-from mtp_overlay.testing.vllm_worker import RUNNERS, run_step, session, worker_environment
+from mtp_overlay.bed.steps.vllm_worker import RUNNERS, run_step, session, worker_environment
 from vllm.model_executor.models import utils
 
 said = []
