@@ -21,7 +21,7 @@ import torch
 
 from mtp_overlay.bed.steps import bridge_step
 from mtp_overlay.bed.models.bridge import BRIDGE_MISSING, bridge_installed
-from mtp_overlay.bed.runtime.cpu_shims import (
+from mtp_overlay.bed.runtime.bridge_stand_ins import (
     BRIDGE_GUARDED_IMPORTS,
     BRIDGE_TRAINING_IMPORTERS,
     bridge_training_import_stand_ins,

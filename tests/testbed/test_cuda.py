@@ -84,7 +84,7 @@ def test_thd_attention_matches_the_test_beds_exact_attention():
     from megatron.core.packed_seq_params import PackedSeqParams
     from megatron.core.transformer.enums import AttnMaskType
 
-    from mtp_overlay.bed.runtime.cpu_shims import _exact_attention
+    from mtp_overlay.bed.runtime.cp_attention import exact_attention
 
     generator = torch.Generator().manual_seed(0)
     query, key, value = (torch.randn(24, 4, 8, generator=generator) for _ in range(3))
@@ -95,7 +95,7 @@ def test_thd_attention_matches_the_test_beds_exact_attention():
     attention = types.SimpleNamespace(
         softmax_scale=8 ** -0.5, scale_mask_softmax=types.SimpleNamespace(scale=None), cpu_shim_cp_group=None,
         attn_mask_type=AttnMaskType.causal, attention_dropout=torch.nn.Identity(), hidden_size_per_partition=32)
-    expected = _exact_attention(attention, query, key, value, None, packed_seq_params=params)
+    expected = exact_attention(attention, query, key, value, None, packed_seq_params=params)
     got = gpu_check.thd_attention(attention, query, key, value, None, packed_seq_params=params)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
 

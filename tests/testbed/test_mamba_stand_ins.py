@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mtp_overlay.bed.runtime.cpu_shims import (
+from mtp_overlay.bed.runtime.mamba_kernels import (
     causal_conv1d_fn,
     mamba_chunk_scan_combined,
     mamba_split_conv1d_scan_combined,

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from mtp_overlay import mtp
-from mtp_overlay.bed.runtime import cpu_shims, syncs
+from mtp_overlay.bed.runtime import cp_attention, mamba_kernels, syncs
 from mtp_overlay.bed.runtime.syncs import SyncCounter
 
 T = torch.tensor([1.0, 2.0, 3.0])
@@ -123,14 +123,14 @@ def test_reads_are_attributed_to_the_overlay_megatron_and_the_test_bed():
     with SyncCounter() as counted:
         mtp.check_loss_mask_layout(packed.input_ids, packed.loss_mask, params)  # the host-side check
         rerun_state_machine._compare_floats(torch.tensor(1.0), torch.tensor(1.0))  # stock's two item() calls
-        cpu_shims._self_attention_boundaries(thd)  # a stand-in's torch.equal
+        cp_attention.self_attention_boundaries(thd)  # a stand-in's torch.equal
         mtp.assert_loss_mask_layout(packed.input_ids, packed.loss_mask, params)  # the device-side one: nothing
     by_origin = counted.by_origin()
     assert by_origin["overlay"] > 0 and by_origin["megatron"] == 2 and by_origin["test bed"] == 1, counted.events
     assert by_origin["other"] == 0
     assert {event.file.rsplit("/", 2)[-2] for event in counted.of("overlay")} == {"mtp"}
     assert all(event.file.endswith("rerun_state_machine.py") for event in counted.of("megatron"))
-    assert counted.of("test bed")[0].kind == "aten::equal" and counted.of("test bed")[0].file == cpu_shims.__file__
+    assert counted.of("test bed")[0].kind == "aten::equal" and counted.of("test bed")[0].file == cp_attention.__file__
     assert sum(counted.summary("overlay").values()) == counted.overlay
 
 
@@ -159,7 +159,7 @@ def test_an_unknown_checks_mode_warns_and_stays_default(monkeypatch):
 
 
 def test_the_sync_free_row_positions_equal_cp_local_indices():
-    """The attention and THD-partitioning stand-ins' positions (`cpu_shims._row_positions`) against
+    """The attention and THD-partitioning stand-ins' positions (`cp_attention.row_positions`) against
     the host-checked `mtp.cp_local_indices` they replace, on every CP rank of odd packs."""
     generator = torch.Generator().manual_seed(0)
     for cp_size in (1, 2, 4):
@@ -169,5 +169,5 @@ def test_the_sync_free_row_positions_equal_cp_local_indices():
             cu = torch.cat([torch.zeros(1, dtype=torch.int64), (padded * multiple).cumsum(0)])
             for rank in range(cp_size):
                 want = mtp.cp_local_indices(cu, cp_size, rank)
-                assert torch.equal(cpu_shims._row_positions(cu, int(cu[-1]) // cp_size, cp_size, rank), want)
-                assert torch.equal(cpu_shims.thd_get_partitioned_indices(cu, int(cu[-1]), cp_size, rank), want)
+                assert torch.equal(cp_attention.row_positions(cu, int(cu[-1]) // cp_size, cp_size, rank), want)
+                assert torch.equal(mamba_kernels.thd_get_partitioned_indices(cu, int(cu[-1]), cp_size, rank), want)

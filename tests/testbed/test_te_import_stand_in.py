@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from mtp_overlay.bed.runtime.cpu_shims import transformer_engine_import_stand_in
+from mtp_overlay.bed.runtime.bridge_stand_ins import transformer_engine_import_stand_in
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("transformer_engine") is not None, reason="Transformer Engine is installed"

@@ -164,10 +164,10 @@ def slicing_cases():
 
 def build_without(attribute):
     """build_tiny_llava with every construction stand-in but the one that swaps ``attribute``; the error."""
-    from mtp_overlay.bed.runtime import cpu_shims
     from mtp_overlay.bed.models import tiny_llava
+    from mtp_overlay.bed.runtime import multimodal_stand_ins
 
-    others = [shim for shim in cpu_shims.llava_stand_ins() if shim.attribute != attribute]
+    others = [shim for shim in multimodal_stand_ins.llava_stand_ins() if shim.attribute != attribute]
     return failure_of(lambda: tiny_llava.build_tiny_llava(hybrid_layer_pattern="*-*-", stand_ins=others))
 
 
@@ -179,7 +179,7 @@ def tp1_cases():
     from megatron.core.models.vision.vit_layer_specs import get_vit_layer_with_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from mtp_overlay.bed.runtime import cpu_shims
+    from mtp_overlay.bed.runtime import multimodal_stand_ins, shim
     from mtp_overlay.bed.models import tiny_llava
 
     results = {}
@@ -191,10 +191,10 @@ def tp1_cases():
         return CLIPViTModel(vision, get_vit_layer_with_local_spec(), img_h=32, img_w=32, patch_dim=16)
 
     for attribute in ("__init__", "torch"):  # CLIPViTModel alone
-        others = [shim for shim in cpu_shims.llava_stand_ins() if shim.attribute != attribute]
-        with cpu_shims.swapped(others):
+        others = [shim for shim in multimodal_stand_ins.llava_stand_ins() if shim.attribute != attribute]
+        with shim.swapped(others):
             results[f"without {attribute}"] = failure_of(clip)
-    with cpu_shims.llava_construction_stand_ins():
+    with multimodal_stand_ins.llava_construction_stand_ins():
         model = clip()
     torch.nn.init.normal_(model.ln_pre.weight)
     torch.nn.init.normal_(model.ln_pre.bias)
@@ -347,7 +347,7 @@ def test_each_llava_construction_stand_in_is_needed_and_matches_its_reference(tp
 
 
 def test_te_version_stand_in_answers_as_te_1_10_and_is_needed_for_cp():
-    from mtp_overlay.bed.runtime.cpu_shims import _te_1_10_min_version
+    from mtp_overlay.bed.runtime.multimodal_stand_ins import _te_1_10_min_version
 
     assert _te_1_10_min_version("1.10.0") and _te_1_10_min_version("1.9.1")
     assert not _te_1_10_min_version("1.10.1") and not _te_1_10_min_version("1.10.0", check_equality=False)

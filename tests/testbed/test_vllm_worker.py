@@ -259,7 +259,7 @@ def test_a_positional_call_then_an_mtp_call_loads_nothing_then_everything_silent
 def test_accelerator_synchronize_stand_in_is_needed_scoped_and_steps_aside_with_an_accelerator():
     from unittest import mock
 
-    from mtp_overlay.bed.runtime.cpu_shims import accelerator_synchronize_stand_in
+    from mtp_overlay.bed.runtime.streams import accelerator_synchronize_stand_in
 
     real = torch.accelerator.synchronize
     if not torch.accelerator.is_available():

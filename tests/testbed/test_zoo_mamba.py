@@ -2,7 +2,7 @@
 
 The tiny HybridModel ``"M*M-/M*-"`` (Mamba, attention, Mamba, MLP; one MTP depth of Mamba, attention,
 MLP) is built from megatron-core 0.19's own classes; only the ``mamba_ssm`` kernels, which have no
-CPU build, are replaced by the pure-torch stand-ins of ``cpu_shims.mamba_shims`` (checked against
+CPU build, are replaced by the pure-torch stand-ins of ``mamba_kernels.mamba_shims`` (checked against
 the recurrence in test_mamba_stand_ins.py). It trains through Megatron's own step
 (``megatron_step.MegatronStep``: DDP, ``get_forward_backward_func``, ``finalize_model_grads``) on one
 packed THD row of four sequences, in both NeMo-RL flavours, and on the per-sequence reference (each
@@ -73,7 +73,7 @@ class _Calls:
     seq_idx: list = dataclasses.field(default_factory=list)
 
     def shims(self, module):
-        from mtp_overlay.bed.runtime.cpu_shims import Shim
+        from mtp_overlay.bed.runtime.shim import Shim
 
         def counted(name, function):
             def call(*args, **kwargs):
@@ -95,7 +95,7 @@ def layout_steps(layout):
     import torch
     from megatron.core.ssm import mamba_context_parallel, mamba_mixer
 
-    from mtp_overlay.bed.runtime import cpu_shims
+    from mtp_overlay.bed.runtime import shim
     from mtp_overlay.bed.steps.megatron_step import MegatronStep
     from mtp_overlay.bed.models.packed import make_packed_row
     from mtp_overlay.bed.models.tiny_hybrid import build_tiny_hybrid
@@ -111,7 +111,7 @@ def layout_steps(layout):
     calls = _Calls(("mamba_split_conv1d_scan_combined", "mamba_chunk_scan_combined"))
     partitioning = _Calls(("thd_get_partitioned_indices",))
     counted = calls.shims(mamba_mixer) + (partitioning.shims(mamba_context_parallel.tex) if cp > 1 else [])
-    with cpu_shims.swapped(counted):
+    with shim.swapped(counted):
         results["padded"] = _step(step, rows["padded"].microbatch(labels=False), cp_fix)
         facts["padded calls"], facts["padded seq_idx"] = dict(calls.counts), list(calls.seq_idx)
         facts["thd partitionings"] = dict(partitioning.counts)
@@ -134,7 +134,7 @@ def layout_steps(layout):
     unfused = build_tiny_hybrid(hybrid_layer_pattern=PATTERN, calculate_per_token_loss=True,
                                 use_mamba_mem_eff_path=False)
     calls.counts.clear()
-    with cpu_shims.swapped(calls.shims(mamba_mixer)):
+    with shim.swapped(calls.shims(mamba_mixer)):
         results["reference, unfused"] = _step(MegatronStep(unfused, optimizer=None), reference, ())
     facts["unfused calls"] = dict(calls.counts)
     facts["modules"] = _module_facts(model)
@@ -152,18 +152,18 @@ def _module_facts(model):
     from megatron.core.ssm.mamba_mixer import MambaMixer
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
-    from mtp_overlay.bed.runtime import cpu_shims
+    from mtp_overlay.bed.runtime import mamba_kernels
 
     layers = [module for module in model.modules() if isinstance(module, MambaLayer)]
     return dict(
-        kernels=[vars(mamba_mixer)[name] is getattr(cpu_shims, name)
+        kernels=[vars(mamba_mixer)[name] is getattr(mamba_kernels, name)
                  for name in ("mamba_split_conv1d_scan_combined", "mamba_chunk_scan_combined")],
         layers=[type(layer) is MambaLayer for layer in layers],
         mixers=[type(layer.mixer) is MambaMixer for layer in layers],
         in_proj=[type(layer.mixer.in_proj) is ColumnParallelLinear for layer in layers],
         out_proj=[type(layer.mixer.out_proj) is RowParallelLinear for layer in layers],
         context_parallel=[type(layer.mixer.cp) is MambaContextParallel for layer in layers],
-        norms=[type(layer.mixer.norm) is cpu_shims.rms_norm_gated() for layer in layers],
+        norms=[type(layer.mixer.norm) is mamba_kernels.rms_norm_gated() for layer in layers],
         forwards=[(type(layer).forward.__module__, type(layer.mixer).forward.__module__) for layer in layers],
         chunk_sizes=[layer.mixer.chunk_size for layer in layers],
         in_mtp=sum(name.startswith("mtp.") for name, module in model.named_modules() if isinstance(module, MambaLayer)),
@@ -184,7 +184,7 @@ def test_stand_ins_are_scoped_to_the_shims_and_leave_nothing_behind():
 
     from megatron.core.ssm import mamba_context_parallel, mamba_mixer
 
-    from mtp_overlay.bed.runtime import cpu_shims
+    from mtp_overlay.bed.runtime import cpu_shims, mamba_kernels
 
     assert not cpu_shims.installed()
     stock = {name: vars(mamba_mixer)[name] for name in STOOD_IN}
@@ -195,13 +195,13 @@ def test_stand_ins_are_scoped_to_the_shims_and_leave_nothing_behind():
         mamba_mixer.MambaMixer(None, None, d_model=64)
     with cpu_shims.cpu_shims():
         assert mamba_mixer.HAVE_MAMBA_SSM is True
-        assert mamba_mixer.mamba_split_conv1d_scan_combined is cpu_shims.mamba_split_conv1d_scan_combined
-        assert mamba_mixer.mamba_chunk_scan_combined is cpu_shims.mamba_chunk_scan_combined
-        assert mamba_mixer.ExtendedRMSNorm is mamba_mixer.RMSNormGated is cpu_shims.rms_norm_gated()
+        assert mamba_mixer.mamba_split_conv1d_scan_combined is mamba_kernels.mamba_split_conv1d_scan_combined
+        assert mamba_mixer.mamba_chunk_scan_combined is mamba_kernels.mamba_chunk_scan_combined
+        assert mamba_mixer.ExtendedRMSNorm is mamba_mixer.RMSNormGated is mamba_kernels.rms_norm_gated()
         assert mamba_mixer.causal_conv1d_fn is None  # the unfused path keeps upstream's own F.conv1d
         assert mamba_mixer._check_mamba_sequence_packing_support(for_inference_not_training=False) == (True, None)
         assert mamba_mixer._check_mamba_sequence_packing_support(for_inference_not_training=True)[0] is False
-        assert mamba_context_parallel.tex.thd_get_partitioned_indices is cpu_shims.thd_get_partitioned_indices
+        assert mamba_context_parallel.tex.thd_get_partitioned_indices is mamba_kernels.thd_get_partitioned_indices
         assert mamba_context_parallel.is_te_min_version("1.10.0")
         assert not mamba_context_parallel.is_te_min_version("2.0")
         with pytest.raises(AttributeError, match="Transformer Engine is not installed"):

@@ -172,7 +172,7 @@ def dispatchers(sp):
     upstream's object in turn: the error it gives."""
     from megatron.core.transformer.moe import token_dispatcher
 
-    from mtp_overlay.bed.runtime import cpu_shims
+    from mtp_overlay.bed.runtime import cpu_shims, shim
     from mtp_overlay.bed.steps.megatron_step import MegatronStep
     from mtp_overlay.bed.models.tiny_hybrid import build_zoo
 
@@ -188,7 +188,7 @@ def dispatchers(sp):
     owner = token_dispatcher.MoEAlltoAllTokenDispatcher
     for name, (where, attribute) in (("dtoh_stream", (owner, "cuda_dtoh_stream")),
                                      ("split_sizes", (token_dispatcher, "maybe_move_tensor_to_cpu"))):
-        with cpu_shims.swapped([cpu_shims.Shim(where, attribute, cpu_shims.original(where, attribute))]):
+        with shim.swapped([shim.Shim(where, attribute, cpu_shims.original(where, attribute))]):
             try:
                 run("alltoall")
                 out[name] = None
@@ -200,14 +200,14 @@ def dispatchers(sp):
 def upstream_experts(sp):
     """The zoo's BSHD parity case with each rank building only its own experts (upstream's expert
     builder called directly, not through `tiny_hybrid.experts_of_every_rank`)."""
-    from mtp_overlay.bed.runtime import cpu_shims
+    from mtp_overlay.bed.runtime import shim
     from mtp_overlay.bed.models import tiny_hybrid
     from mtp_overlay.bed.steps.megatron_step import MegatronStep
 
     def own_experts_only(build_experts, num_local_experts, config, *, pg_collection, name=None):
         return build_experts(num_local_experts, config, pg_collection=pg_collection, name=name)
 
-    with cpu_shims.swapped([cpu_shims.Shim(tiny_hybrid, "experts_of_every_rank", own_experts_only)]):
+    with shim.swapped([shim.Shim(tiny_hybrid, "experts_of_every_rank", own_experts_only)]):
         model = parity.build("zoo", sequence_parallel=sp)
     step = MegatronStep(model, optimizer=None)
     return step.step([parity.microbatch(parity.Case("zoo", "bshd"))], labels=False, update=False)

@@ -175,7 +175,7 @@ def test_pipeline_stages_through_megatrons_pipelined_schedule(tmp_path):
 
 OMNI = Path(__file__).parent / "configs" / "nemotron_omni_like"
 # what the CLIP stand-in changes of the LLaVAModel arguments Bridge's Omni provider passes
-# (cpu_shims.bridge_vl_clip_vision)
+# (multimodal_stand_ins.bridge_vl_clip_vision)
 CLIP_SUBSTITUTIONS = {"vision.vision_model_type", "vision.num_layers", "vision.num_attention_heads",
                       "vision.num_query_groups", "vision.kv_channels", "vision.hidden_size", "vision.ffn_hidden_size",
                       "img_h", "img_w", "pixel_shuffle", "dynamic_resolution"}

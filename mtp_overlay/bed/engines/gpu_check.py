@@ -83,7 +83,7 @@ def _attention_for_packed_rows():
 
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-    from ..runtime.cpu_shims import Shim, swapped
+    from ..runtime.shim import Shim, swapped
 
     upstream = DotProductAttention.forward
 

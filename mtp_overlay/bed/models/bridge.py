@@ -36,7 +36,7 @@ LLaVAModel does, running Bridge's own ``HybridModelProvider.provide()`` for ever
 Without Transformer Engine (on CPU), ``provide()`` runs with local specs
 (`local_gpt_layer_spec`: Bridge's ``gpt_provider.local_layer_spec``, every expert drawn on every rank; a
 local hybrid stack spec), ``AttnBackend.local``, fusions off,
-and the MTP spec built without TE (``cpu_shims.bridge_local_mtp_spec``); with TE the providers keep
+and the MTP spec built without TE (``bridge_stand_ins.bridge_local_mtp_spec``); with TE the providers keep
 their own specs.
 
 Importable without megatron-bridge: Bridge is imported inside the functions (``import_bridge``);
@@ -48,7 +48,7 @@ import dataclasses
 import functools
 import importlib.util
 
-from ..runtime.cpu_shims import Shim, swapped
+from ..runtime.shim import Shim, swapped
 from ..runtime.device import rank_device
 from .tiny_hybrid import (
     ZOO_PATTERN,
@@ -78,7 +78,7 @@ def bridge_installed():
 
 def import_bridge():
     """``import megatron.bridge``; without Transformer Engine through the scoped TE import stand-in."""
-    from ..runtime.cpu_shims import transformer_engine_import_stand_in
+    from ..runtime.bridge_stand_ins import transformer_engine_import_stand_in
 
     with transformer_engine_import_stand_in():
         import megatron.bridge
@@ -92,7 +92,7 @@ def import_stand_ins():
     through the scoped stand-ins of its optional imports (both in `cpu_shims`). Where the packages
     are installed it does nothing. For code that imports Bridge's modules by name, such as a fix's
     targets (``mtp-overlay check``, the contract test)."""
-    from ..runtime.cpu_shims import bridge_training_import_stand_ins, transformer_engine_import_stand_in
+    from ..runtime.bridge_stand_ins import bridge_training_import_stand_ins, transformer_engine_import_stand_in
 
     with transformer_engine_import_stand_in(), bridge_training_import_stand_ins():
         yield
@@ -196,7 +196,7 @@ def build_provided(provider, *, seed=1234, sequence_parallel=False, scatter_embe
     from megatron.core.extensions.transformer_engine import HAVE_TE
     from megatron.core.process_groups_config import ProcessGroupCollection
 
-    from ..runtime.cpu_shims import bridge_local_mtp_spec
+    from ..runtime.bridge_stand_ins import bridge_local_mtp_spec
 
     if not isinstance(scatter_embedding_sequence_parallel, bool):
         raise TypeError(

@@ -19,7 +19,7 @@ GPT scales by ``2 * num_layers`` (2 transformer layers).
 Mamba ('M') is megatron-core's own ``MambaLayer`` (the local norm, then ``MambaMixer`` with
 ColumnParallelLinear in_proj and RowParallelLinear out_proj). Its kernels (``mamba_ssm``'s fused
 conv + SSD scan, gated RMSNorm) do not exist on a CPU machine: the test bed's shims stand them in
-(``cpu_shims.mamba_shims``). The tiny mixer has 8 heads of 16 in 2 groups, d_state 8, and scans in
+(``mamba_kernels.mamba_shims``). The tiny mixer has 8 heads of 16 in 2 groups, d_state 8, and scans in
 chunks of 8 (``MAMBA_CHUNK_SIZE``, through the mixer spec's ``chunk_size`` as Megatron-Bridge sets
 it), so a packed row's sequences start inside chunks; its weights do not depend on the TP size
 (`tp_independent_mamba_weights`).

@@ -8,7 +8,7 @@ provider keeps. Here: that HybridModel from the test bed's local spec (``tiny_hy
 ``"*-*-/*-"``), a one-layer CLIP ViT (hidden 32, 32x32 images, patch 16: 4 patches, the class token
 dropped: 4 embeddings per image) from ``get_vit_layer_with_local_spec()``, and an MLP projector made
 of the language spec's MLP submodules (as Bridge's providers derive it). Construction on a CPU runs
-inside ``cpu_shims.llava_construction_stand_ins()`` (CLIP's norm fallback and ``.cuda()``, LLaVA's
+inside ``multimodal_stand_ins.llava_construction_stand_ins()`` (CLIP's norm fallback and ``.cuda()``, LLaVA's
 TE-version check for CP).
 
 ``CombinedIdsReference`` holds the same modules and runs the language model *directly* on the
@@ -50,8 +50,8 @@ def build_tiny_llava(
 
     TP and CP sizes come from ``parallel_state``; the vision tower and projector run with sequence
     and context parallelism off (as Bridge's providers configure them). ``config_overrides`` go to
-    the language TransformerConfig. ``stand_ins``: the ``cpu_shims.Shim`` list swapped in for the
-    construction; None: ``cpu_shims.llava_stand_ins()`` with the CPU shims installed, else none.
+    the language TransformerConfig. ``stand_ins``: the ``shim.Shim`` list swapped in for the
+    construction; None: ``multimodal_stand_ins.llava_stand_ins()`` with the CPU shims installed, else none.
     """
     import torch
     from megatron.core.models.multimodal.llava_model import LLaVAModel
@@ -60,7 +60,7 @@ def build_tiny_llava(
     from megatron.core.transformer.spec_utils import get_submodules
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from ..runtime import cpu_shims
+    from ..runtime import multimodal_stand_ins, shim
     from .tiny_hybrid import local_hybrid_stack_spec
 
     language = language_config(hybrid_layer_pattern, hidden_size=hidden_size, num_attention_heads=num_attention_heads,
@@ -77,8 +77,8 @@ def build_tiny_llava(
 
     torch.manual_seed(seed)
     if stand_ins is None:
-        stand_ins = cpu_shims.llava_stand_ins() if rank_device().type == "cpu" else []
-    with cpu_shims.swapped(stand_ins):
+        stand_ins = multimodal_stand_ins.llava_stand_ins() if rank_device().type == "cpu" else []
+    with shim.swapped(stand_ins):
         model = LLaVAModel(
             language_transformer_config=language,
             language_transformer_layer_spec=spec,
@@ -193,7 +193,7 @@ def build_bridge_omni(*, seed=1234, hybrid_layer_pattern="*-*-", mtp_hybrid_over
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     from . import bridge
-    from ..runtime import cpu_shims
+    from ..runtime import multimodal_stand_ins
 
     bridge.import_bridge()
     from megatron.bridge.models.nemotron_omni.nemotron_omni_provider import NemotronOmniModelProvider
@@ -218,7 +218,7 @@ def build_bridge_omni(*, seed=1234, hybrid_layer_pattern="*-*-", mtp_hybrid_over
     provider.apply_overrides_and_finalize(dtype=torch.float32, overrides=overrides)
     provider._pg_collection = ProcessGroupCollection.use_mpu_process_groups()
     torch.manual_seed(seed)
-    with bridge.bridge_vl_local_specs(), cpu_shims.llava_construction_stand_ins(), bridge.own_attention_backend():
+    with bridge.bridge_vl_local_specs(), multimodal_stand_ins.llava_construction_stand_ins(), bridge.own_attention_backend():
         model = provider.provide()
     return model.to(rank_device())
 
@@ -240,11 +240,11 @@ def build_bridge_vl(provider, *, seed=1234, sequence_parallel=False, recipe=None
     from megatron.core.transformer.enums import ModelType
 
     from . import bridge
-    from ..runtime import cpu_shims
+    from ..runtime import multimodal_stand_ins
 
     substituted = []
-    with bridge.bridge_vl_local_specs(), cpu_shims.llava_construction_stand_ins(), \
-            cpu_shims.bridge_vl_clip_vision(substituted):
+    with bridge.bridge_vl_local_specs(), multimodal_stand_ins.llava_construction_stand_ins(), \
+            multimodal_stand_ins.bridge_vl_clip_vision(substituted):
         model = bridge.build_provided(provider, seed=seed, sequence_parallel=sequence_parallel,
                                       scatter_embedding_sequence_parallel=False, recipe=recipe)
     model.model_type = model.llava_model.model_type = ModelType.encoder_or_decoder

@@ -3,13 +3,23 @@
 ``host_streams()`` turns the CUDA streams and events they order their work on into no-ops (every host
 op is synchronous); the communicators stand in for vLLM's PyNcclCommunicator (a ``device`` and a
 ``broadcast``). torch and vLLM are imported inside the functions.
+
+`HostStream` / `HostEvent` are also what the CPU shims give megatron-core for its CUDA streams (`cpu_shims`).
+
+* ``accelerator_synchronize_stand_in()``: ``WeightTransferEngine.update_weights`` ends with
+  ``torch.accelerator.synchronize()`` (vLLM 0.33 ``distributed/weight_transfer/base.py:598``,
+  0.25.1 ``:182``), which raises "Found no NVIDIA driver" on a machine without one: inside the block
+  it returns at once (host copies are done when they return), and only on a CPU rank (`device.rank_device`).
 """
 
 import contextlib
 
+from .device import rank_device
+from .shim import Shim, swapped
+
 
 class HostStream:
-    """A CUDA stream on the host: nothing to wait for."""
+    """A CUDA stream on the host: work is synchronous, so there is nothing to wait for."""
 
     def synchronize(self):
         pass
@@ -17,12 +27,27 @@ class HostStream:
     def wait_event(self, event):
         pass
 
+    def wait_stream(self, stream):
+        pass
+
+    def record_event(self, event=None):
+        return HostEvent()
+
 
 class HostEvent:
-    """A CUDA event on the host: nothing to record."""
+    """A CUDA event on the host: already complete."""
 
     def record(self, stream=None):
         pass
+
+    def wait(self, stream=None):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
 
 
 @contextlib.contextmanager
@@ -98,3 +123,26 @@ class ReplayCommunicator(HostCommunicator):
             raise ValueError(f"receive buffer {tuple(tensor.shape)} {tensor.dtype} does not match the sent "
                              f"{tuple(source.shape)} {source.dtype}: sender and receiver disagree on the metadata")
         tensor.copy_(source)
+
+
+@contextlib.contextmanager
+def accelerator_synchronize_stand_in():
+    """Inside the block ``torch.accelerator.synchronize`` returns at once when no accelerator exists.
+
+    vLLM's ``WeightTransferEngine.update_weights`` synchronizes the device after every chunk so the
+    next step reads the new weights (0.33 ``distributed/weight_transfer/base.py:598``); the CUDA
+    build of torch raises there without a driver. On the host every copy into a parameter has
+    finished when it returns, so there is nothing to wait for. With an accelerator the real function
+    stays.
+    """
+    import torch
+
+    if rank_device().type == "cuda":
+        yield
+        return
+
+    def synchronize(device=None):
+        return None
+
+    with swapped([Shim(torch.accelerator, "synchronize", synchronize)]):
+        yield

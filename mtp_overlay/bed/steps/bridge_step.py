@@ -3,8 +3,8 @@
 Bridge's ``megatron.bridge.training.gpt_step.forward_step`` runs through Megatron's own schedule
 (``megatron_step.MegatronStep.run``: DDP, ``get_forward_backward_func()``, ``finalize_model_grads``)
 on tiny models built by Bridge's providers (``bed.models.bridge``: Qwen3 -> GPTModel, NemotronH ->
-HybridModel). On a CPU machine its import needs `cpu_shims.bridge_training_import_stand_ins` and its
-``.cuda(non_blocking=True)`` `cpu_shims.cpu_batch`; its ``state`` argument is `step_state`.
+HybridModel). On a CPU machine its import needs `bridge_stand_ins.bridge_training_import_stand_ins` and its
+``.cuda(non_blocking=True)`` `bridge_stand_ins.cpu_batch`; its ``state`` argument is `step_state`.
 
 The defects (Megatron-Bridge 0.6), each a function a fix's test calls with the fix off or on:
 
@@ -50,7 +50,7 @@ def import_gpt_step():
     import importlib
 
     from ..models.bridge import import_bridge
-    from ..runtime.cpu_shims import bridge_training_import_stand_ins
+    from ..runtime.bridge_stand_ins import bridge_training_import_stand_ins
 
     import_bridge()
     with bridge_training_import_stand_ins():
@@ -225,9 +225,10 @@ def _trained_positions(records):
 
 
 def bridge_microbatch(batch):
-    """``batch`` as Bridge's data iterator yields it here: on CPU through `cpu_shims.cpu_batch`
+    """``batch`` as Bridge's data iterator yields it here: on CPU through `bridge_stand_ins.cpu_batch`
     (``get_batch_from_iterator`` calls ``.cuda(non_blocking=True)`` on every tensor)."""
-    from ..runtime.cpu_shims import cpu_batch, installed
+    from ..runtime.bridge_stand_ins import cpu_batch
+    from ..runtime.cpu_shims import installed
 
     return cpu_batch(dict(batch)) if installed() else dict(batch)
 

@@ -22,6 +22,8 @@ import contextlib
 import os
 import tempfile
 
+from ..runtime.device import rank_device
+
 KINDS = ("nemotron_h", "deepseek")
 BACKBONE = 2  # num_hidden_layers of both tiny configs: the MTP layer is layer 2 in positional naming
 
@@ -82,7 +84,7 @@ def vllm_config_of(hf_config, directory):
     speculative = SpeculativeConfig(method="mtp", num_speculative_tokens=1, target_model_config=target,
                                     target_parallel_config=ParallelConfig())
     return VllmConfig(model_config=speculative.draft_model_config, speculative_config=speculative,
-                      device_config=DeviceConfig(device="cpu"))
+                      device_config=DeviceConfig(device=rank_device().type))
 
 
 _state = {}
@@ -132,7 +134,7 @@ def build_drafter_of(hf_config, name):
     if "directory" not in _state:
         raise RuntimeError("build_drafter runs inside drafter_environment()")
     config = vllm_config_of(hf_config, os.path.join(_state["directory"], name))
-    with torch.device("cpu"):
+    with rank_device():
         model = initialize_model(vllm_config=config, model_config=config.speculative_config.draft_model_config)
     model.vllm_config_for_tests = config
     return model

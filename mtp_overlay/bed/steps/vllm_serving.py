@@ -12,7 +12,7 @@ The stand-ins, both for what needs a GPU:
   renderer and input processor, which is all the consumers' constructors and renders read.
 - `parser_device_type`: the CUDA build on a CPU machine runs on ``UnspecifiedPlatform``, whose device
   type is empty, and vLLM's parser computes its defaults by building ``DeviceConfig("auto")``, which
-  refuses that; the platform names "cpu" while the parser is built, nothing else.
+  refuses that; the platform names the rank's device type while the parser is built, nothing else.
 
 Works on the pinned vLLM (0.33) and 0.25.1 (where the server state lives in ``entrypoints/openai/api_server.py``).
 """
@@ -25,6 +25,8 @@ import io
 import json
 import os
 from pathlib import Path
+
+from ..runtime.device import rank_device
 
 SERVED_NAME = "tiny-llava"
 WORDS = ("<unk>", "<s>", "</s>", "<image>", "user", "assistant", ":", "what", "is", "in", "this", "picture", "?",
@@ -151,7 +153,8 @@ class Server:
         from vllm.renderers import renderer_from_config
 
         self.model_config = model_config
-        self.vllm_config = VllmConfig(model_config=model_config, device_config=DeviceConfig(device="cpu"))
+        self.vllm_config = VllmConfig(model_config=model_config,
+                                      device_config=DeviceConfig(device=rank_device().type))
         self.renderer = renderer_from_config(self.vllm_config)
         self.engine_client = EngineClientStandIn(self.vllm_config, self.renderer)
         self.models = OpenAIServingModels(
@@ -216,14 +219,14 @@ def tokenize_render(serving_tokenization, messages, **request):
 
 
 @contextlib.contextmanager
-def parser_device_type(device_type="cpu"):
-    """Stand-in: the platform names ``device_type`` while vLLM's argument parser is built (see module doc)."""
+def parser_device_type():
+    """Stand-in: the platform names the bed's device type (`device.rank_device`) while vLLM's argument parser is built (see module doc)."""
     from vllm.platforms import current_platform
 
     if current_platform.device_type:
         yield
         return
-    current_platform.device_type = device_type
+    current_platform.device_type = rank_device().type
     try:
         yield
     finally:

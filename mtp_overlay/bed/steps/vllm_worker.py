@@ -16,7 +16,7 @@ those methods read; the wire between the trainer's producer and the engine is
 `streams.RecordingCommunicator` / `streams.ReplayCommunicator` (no NCCL group:
 ``init_transfer_engine`` is not run, the engine is handed the group and the wire parameters it
 would have recorded); CUDA streams are `streams.host_streams`; ``torch.accelerator.synchronize`` is
-`cpu_shims.accelerator_synchronize_stand_in`. Only the NCCL engine receives on CPU (IPC needs CUDA
+`streams.accelerator_synchronize_stand_in`. Only the NCCL engine receives on CPU (IPC needs CUDA
 IPC handles, the others their own rendezvous); every engine is constructed, and its sessions run
 from start to finish without chunks.
 
@@ -34,6 +34,8 @@ body stops at its first statement.
 import contextlib
 import dataclasses
 import os
+
+from ..runtime.device import rank_device
 
 RUNNERS = ("v2", "v1")
 ENGINES = ("nccl", "ipc", "sparse_nccl", "nccl_m2n", "sharded_rdt")
@@ -57,7 +59,7 @@ def target_vllm_config(directory, engine="nccl"):
                                     target_parallel_config=ParallelConfig())
     parallel = ParallelConfig(distributed_executor_backend="ray") if engine == "sharded_rdt" else ParallelConfig()
     return VllmConfig(model_config=target, speculative_config=speculative, parallel_config=parallel,
-                      device_config=DeviceConfig(device="cpu"),
+                      device_config=DeviceConfig(device=rank_device().type),
                       weight_transfer_config=WeightTransferConfig(backend=engine))
 
 
@@ -78,7 +80,7 @@ def write_checkpoint(directory, seed=0):
     path = os.path.join(directory, CHECKPOINT)
     tensors = safetensors.torch.load_file(path)
     config = target_vllm_config(directory)
-    with torch.device("cpu"):  # the drafter's layout, to name its head: vLLM's own class, no weights
+    with rank_device():  # the drafter's layout, to name its head: vLLM's own class, no weights
         skeleton = initialize_model(vllm_config=config, model_config=config.speculative_config.draft_model_config)
     head = refit_stream(skeleton, "mtp.*", seed=seed, with_target_names=False)
     tensors.update(head)
@@ -153,7 +155,7 @@ def worker_environment(seed=0):
         directory = os.path.join(vllm_drafter._state["directory"], "checkpoint")
         checkpoint, mtp_names = write_checkpoint(directory, seed)
         config = target_vllm_config(directory)
-        with set_current_vllm_config(config), torch.device("cpu"):
+        with set_current_vllm_config(config), rank_device():
             target = get_model(vllm_config=config)
             drafter = load_eagle_model(target, config)
         yield WorkerBed(directory, config, target, drafter, checkpoint, mtp_names)
@@ -221,7 +223,7 @@ def make_worker(bed, runner="v2", engine="nccl"):
     made = Worker.__new__(Worker)
     runner_object = make_runner(bed, runner)
     transfer = WeightTransferEngineFactory.create_engine(
-        config.weight_transfer_config, config, torch.device("cpu"), runner_object.get_model())
+        config.weight_transfer_config, config, rank_device(), runner_object.get_model())
     if engine == "nccl":  # what init_transfer_engine records from the trainer's init info (0.33)
         transfer.model_update_group = HostCommunicator("cpu")
         if hasattr(transfer, "packed"):
@@ -257,7 +259,7 @@ def send(worker, stream):
     wire, vLLM's engine receives it into the session's model."""
     from vllm.distributed.weight_transfer import packed_tensor
 
-    from ..runtime.cpu_shims import accelerator_synchronize_stand_in
+    from ..runtime.streams import accelerator_synchronize_stand_in
     from ..runtime.streams import RecordingCommunicator, ReplayCommunicator, host_streams
 
     sender = RecordingCommunicator("cpu")
