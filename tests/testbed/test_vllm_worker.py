@@ -268,7 +268,8 @@ def test_accelerator_synchronize_stand_in_is_needed_scoped_and_steps_aside_with_
         with accelerator_synchronize_stand_in():
             assert torch.accelerator.synchronize() is None and torch.accelerator.synchronize is not real
     assert torch.accelerator.synchronize is real
-    with mock.patch.object(torch.accelerator, "is_available", lambda: True), accelerator_synchronize_stand_in():
+    on_cuda = mock.patch("mtp_overlay.bed.runtime.streams.rank_device", lambda: torch.device("cuda", 0))
+    with on_cuda, accelerator_synchronize_stand_in():  # a CUDA rank (device.rank_device): the real one stays
         assert torch.accelerator.synchronize is real
 
 

@@ -178,7 +178,7 @@ def test_a_provider_that_raises_is_named_with_the_flag_and_its_line(tmp_path):
     """The engine runs the user's provider code in its ranks (it imports Megatron-Bridge): what it raises
     comes back as the engine's named error (a PlanError: the product prints its message, exit 2) with the
     user's file and line, not the engine's traceback. The loader itself, without ranks or Bridge."""
-    from mtp_overlay.bed.engines.verify import PlanError, users_code
+    from mtp_overlay.bed.engines.verify_model import PlanError, users_code
 
     recipe = tmp_path / "f.py"
     recipe.write_text("def helper(size):\n    return 1 // size\n\n\ndef provider():\n    return helper(0)\n")

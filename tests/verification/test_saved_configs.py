@@ -1,6 +1,6 @@
 """verify on the configs users have: folders the installed transformers saves (``save_pretrained``), every
 family verify builds, up to the plan the engine gets, read back by the engine's own loader
-(``bed.engines.verify.hf_config``, transformers' ``AutoConfig.from_pretrained``). No ranks (~10 s: transformers'
+(``bed.engines.verify_model.hf_config``, transformers' ``AutoConfig.from_pretrained``). No ranks (~10 s: transformers'
 config classes); Bridge's providers of the same plans are built in one rank (slow), and the NemotronH folder
 runs at TP2+SP through Megatron's step in test_verify_runs.py."""
 
@@ -70,7 +70,7 @@ def test_a_saved_config_of_every_family_is_planned_and_read_back_by_the_engines_
     NemotronH's ``time_step_limit``: shown here on the same plan)."""
     from transformers import AutoConfig
 
-    from mtp_overlay.bed.engines.verify import hf_config
+    from mtp_overlay.bed.engines.verify_model import hf_config
 
     make, arguments, kind, (pattern, mtp_pattern) = FAMILIES[family]
     plan = planned(make(tmp_path / "model"), **arguments)
@@ -100,7 +100,7 @@ def test_a_saved_deepseek_v3_config_is_refused_naming_what_has_no_stand_in(tmp_p
 
 def providers_of(plans):
     """Rank worker: per plan, what Megatron-Bridge's provider of the engine's loader's config says."""
-    from mtp_overlay.bed.engines.verify import check_buildable, family, provided
+    from mtp_overlay.bed.engines.verify_model import check_buildable, family, provided
 
     found = []
     for plan in plans:

@@ -127,13 +127,12 @@ class ReplayCommunicator(HostCommunicator):
 
 @contextlib.contextmanager
 def accelerator_synchronize_stand_in():
-    """Inside the block ``torch.accelerator.synchronize`` returns at once when no accelerator exists.
+    """Inside the block ``torch.accelerator.synchronize`` returns at once on a CPU rank (`device.rank_device`).
 
     vLLM's ``WeightTransferEngine.update_weights`` synchronizes the device after every chunk so the
     next step reads the new weights (0.33 ``distributed/weight_transfer/base.py:598``); the CUDA
     build of torch raises there without a driver. On the host every copy into a parameter has
-    finished when it returns, so there is nothing to wait for. With an accelerator the real function
-    stays.
+    finished when it returns, so there is nothing to wait for. On a CUDA rank the real function stays.
     """
     import torch
 
