@@ -119,8 +119,8 @@ Usage (``fn`` must be a module-level function, its arguments and return value pi
   pairs each MTP depth trained and the errors against each sequence alone; the product
   (``mtp_overlay.verification``) runs it as a child process (``python -m mtp_overlay.bed.engines.verify``)
   and judges.
-* ``reproducers.reproduce(fix_id) -> (bug_shows, evidence)``: a fix's stock path with the fix off
-  (``reproducers/<fix_id>.py``), for the support matrix, the upstream-tracking tests, ``check --run``.
+* ``fixes.reproduce(fix_id) -> (bug_shows, evidence)``: a fix's stock path with the fix off
+  (``fixes/<fix_id>.py``), for the support matrix, the upstream-tracking tests, ``check --run``.
 * ``demo``: the main job (``mtp-overlay demo``); ``patch_images``: what ``scripts/measure_patches.py``
   and the tests measure for the patch manifest.
 * ``bridge``: models built through Megatron-Bridge 0.6 providers (``AutoBridge.from_hf_config`` of
@@ -141,12 +141,15 @@ Usage (``fn`` must be a module-level function, its arguments and return value pi
   target and its real NemotronHMTP drafter: ``worker_environment()`` yields a ``WorkerBed``;
   ``run_sequence(bed, SEQUENCES["target, target"])`` says per step what changed and what was said;
   ``execute_model_stopped``).
-* ``cpu_shims``: the CPU stand-ins (HybridStack's TE final norm, TE's CP and THD attention, DDP's
-  stream, the schedule's CUDA tensors, the alltoall MoE dispatcher's stream and split sizes, the
-  pipeline's synchronize and embedding-copy ``.cuda()``, Bridge's TE import, Mamba's kernels, the
-  weight-transfer engines' device synchronize), installed by the launcher on CPU; test scaffolding
-  only, ``cpu_shims()`` context manager or ``install()`` / ``uninstall()``; LLaVAModel's construction
-  stand-ins (``llava_construction_stand_ins``), Bridge's Omni specs and vLLM's synchronize are scoped.
+* ``runtime.cpu_shims``: the process-wide table of CPU stand-ins (HybridStack's TE final norm, TE's CP
+  and THD attention (``cp_attention``), DDP's stream, the schedule's CUDA tensors, the alltoall MoE
+  dispatcher's stream and split sizes, the pipeline's synchronize and embedding-copy ``.cuda()``,
+  Mamba's kernels (``mamba_kernels``)), installed by the launcher on CPU; ``cpu_shims()`` context
+  manager or ``install()`` / ``uninstall()``. Scoped stand-ins beside it, each for a block
+  (``shim.swapped``, and ``shim.scoped_import`` for one importer's import statements):
+  ``bridge_stand_ins`` (Bridge's TE and training imports, local MTP spec, host batches),
+  ``multimodal_stand_ins`` (LLaVAModel's construction, Bridge's VL / Omni vision tower), and vLLM's
+  synchronize (``streams``). ``runtime.device.rank_device()``: the device every builder and step uses.
 * ``releases``: other upstream releases side by side (``release_site``, ``copy_installed``,
   ``link_installed``, ``run_with_release``, ``record_sha256``); ``preloaded.run_python``: a fresh
   interpreter forked with torch imported (``fixes=[...]``: a stock one, exactly those fixes

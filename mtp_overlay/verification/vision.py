@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 # what marks a Hugging Face config as multimodal, and where a Nemotron VL / Omni config keeps its language model
 MULTIMODAL_KEYS = ("vision_config", "audio_config", "sound_config", "vision_tower", "mm_projector_type")
 LANGUAGE_KEY = "llm_config"
-# the vision tower the test bed builds instead of RADIO (bed/runtime/cpu_shims.py CLIP_VISION, CLIP_LAYERS)
+# the vision tower the test bed builds instead of RADIO (bed/runtime/multimodal_stand_ins.py CLIP_VISION, CLIP_LAYERS)
 VISION = dict(model="CLIP ViT (megatron-core CLIPViTModel)", layers=1, image_size=32, patch=16, class_token="dropped")
 VISION_WHY = ("RADIO runs images only through its dynamic-resolution packed (THD, non-causal) attention, which has "
               "no CPU stand-in")

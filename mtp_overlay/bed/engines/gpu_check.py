@@ -28,6 +28,8 @@ import statistics
 import sys
 import time
 
+from ..runtime.device import rank_device
+
 SIZES = {  # name -> GPTModel shape; the 655M one is the first GPU run's (SPEC: 8 layers, hidden 2048)
     "655M": dict(num_layers=8, hidden_size=2048, num_attention_heads=16, vocab_size=32768, seq_length=4096),
     "22M": dict(num_layers=2, hidden_size=512, num_attention_heads=8, vocab_size=8192, seq_length=1024),
@@ -93,9 +95,7 @@ def _attention_for_packed_rows():
             return upstream(self, query, key, value, attention_mask, attn_mask_type, attention_bias)
         return thd_attention(self, query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params)
 
-    import torch
-
-    if not torch.cuda.is_available():
+    if rank_device().type != "cuda":
         return contextlib.nullcontext()
     return swapped([Shim(DotProductAttention, "forward", forward)])
 
@@ -127,7 +127,7 @@ def measure(size, iterations):
 
     shape = dict(SIZES[size])
     seq_length, vocab_size = shape.pop("seq_length"), shape.pop("vocab_size")
-    cuda = torch.cuda.is_available()
+    cuda = rank_device().type == "cuda"
     mtp_overlay.uninstall()  # stock builds the model; the sides switch the fixes in and out
     dtype = dict(bf16=True, params_dtype=torch.bfloat16) if cuda else {}
     model = build_tiny_gpt(**shape, vocab_size=vocab_size, max_sequence_length=seq_length, mtp_num_layers=MTP_DEPTHS,
@@ -191,7 +191,7 @@ def _counted_step(model, batch, size, layout, side):
 
     _side(side)
     _step(model, batch)  # warm: one-time checks and allocations out of the count
-    counter = SyncCounter(device="cuda" if torch.cuda.is_available() else "cpu")
+    counter = SyncCounter(device=rank_device().type)
     with counter:
         _step(model, batch)
     logged = mtp_metrics(1)  # the tracker's reduction, as Megatron logs it (after the count: it reads)
@@ -212,7 +212,7 @@ def _interleaved_times(model, batch, iterations):
     for _ in range(iterations):
         for side in SIDES:
             _side(side)
-            if torch.cuda.is_available():
+            if rank_device().type == "cuda":
                 torch.cuda.synchronize()
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
@@ -237,11 +237,11 @@ def _fingerprint_speed(model, repeats=5):
     size = sum(param.numel() * param.element_size() for _, param in named)
 
     def timed(work):
-        if torch.cuda.is_available():
+        if rank_device().type == "cuda":
             torch.cuda.synchronize()
         began = time.perf_counter()
         work()
-        if torch.cuda.is_available():
+        if rank_device().type == "cuda":
             torch.cuda.synchronize()
         return time.perf_counter() - began
 
@@ -262,7 +262,7 @@ def measure_sizes(sizes, iterations):
     for size in sizes:
         results[size] = measure(size, iterations)
         gc.collect()
-        if torch.cuda.is_available():
+        if rank_device().type == "cuda":
             torch.cuda.empty_cache()
     return results
 

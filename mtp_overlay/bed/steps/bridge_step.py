@@ -228,9 +228,9 @@ def bridge_microbatch(batch):
     """``batch`` as Bridge's data iterator yields it here: on CPU through `bridge_stand_ins.cpu_batch`
     (``get_batch_from_iterator`` calls ``.cuda(non_blocking=True)`` on every tensor)."""
     from ..runtime.bridge_stand_ins import cpu_batch
-    from ..runtime.cpu_shims import installed
+    from ..runtime.device import rank_device
 
-    return cpu_batch(dict(batch)) if installed() else dict(batch)
+    return cpu_batch(dict(batch)) if rank_device().type == "cpu" else dict(batch)
 
 
 def run_bridge_step(model, microbatches, *, update=False, step="gpt_step"):
