@@ -183,6 +183,15 @@ def test_no_product_module_imports_the_test_bed():
     assert offenders == []
 
 
+def test_verify_names_a_bed_engine_that_exists():
+    """The product's third door to the bed is a module name run as a child process: it must name a module
+    of the bed's engines that exists (a rename of the bed breaks this test, not a user's ``verify``)."""
+    from mtp_overlay.verification.engine import ENGINE_MODULE
+
+    assert ENGINE_MODULE.startswith("mtp_overlay.bed.engines.")
+    assert (PACKAGE / Path(*ENGINE_MODULE.split(".")[1:])).with_suffix(".py").is_file()
+
+
 def test_import_loads_only_the_table_the_registry_and_the_trigger():
     code = "import sys; before = set(sys.modules); import mtp_overlay; print(sorted(set(sys.modules) - before))"
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

@@ -1,4 +1,7 @@
-"""Megatron-Bridge 0.6 on a machine without Transformer Engine (scoped, used by ``bed.models.bridge``):
+"""Scoped CPU stand-ins for Megatron-Bridge (test scaffolding; each for a block, the import ones through
+`shim.scoped_import`).
+
+Megatron-Bridge 0.6 on a machine without Transformer Engine (scoped, used by ``bed.models.bridge``):
 
 * ``transformer_engine_import_stand_in()``: ``megatron/bridge/peft/lora_layers.py`` imports
   ``transformer_engine.pytorch`` unguarded, so ``import megatron.bridge`` fails without TE. While the

@@ -1,4 +1,6 @@
-"""Mamba ('M') layers (``mamba_shims``): megatron-core's ``MambaMixer`` needs ``mamba_ssm``'s Triton
+"""Pure-torch stand-ins for the kernels megatron-core's Mamba layers need (rows of the CPU shims' table).
+
+Mamba ('M') layers (``mamba_shims``): megatron-core's ``MambaMixer`` needs ``mamba_ssm``'s Triton
 kernels, which do not run on a CPU, and refuses to build without them (``ssm/mamba_mixer.py:202``).
 Pure-torch stand-ins, each checked against a reference written from the equations
 (tests/testbed/test_mamba_stand_ins.py), take the names ``mamba_mixer`` looks the kernels up by:

@@ -1,9 +1,11 @@
-"""megatron-core's LLaVAModel (scoped to its construction, used by ``bed.models.tiny_llava``):
+"""Scoped CPU stand-ins for the multimodal builds (test scaffolding; each for a block, `shim.swapped`).
+
+megatron-core's LLaVAModel (scoped to its construction, used by ``bed.models.tiny_llava``):
 
 * ``llava_construction_stand_ins()``: CLIPViTModel's norm fallback without TE
   (``models/vision/clip_vit_model.py:20-22``) gets ``WrappedTorchNorm``, its ``.cuda()`` (``:124``)
   stays on the CPU, and LLaVAModel's TE-version assert for CP (``models/multimodal/llava_model.py:211``)
-  is answered as TE 1.10 would (the exact CP attention below stands in for TE's).
+  is answered as TE 1.10 would (`cp_attention.exact_attention` stands in for TE's).
 
 Megatron-Bridge 0.6's Nemotron VL / Omni providers:
 
