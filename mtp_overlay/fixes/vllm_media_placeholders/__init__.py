@@ -85,7 +85,8 @@ def parse_chat_message_content(wrapped: "Callable[..., Any]", instance: "Any", a
     return TALLY.call(wrapped, args, kwargs, "message", fixed, changed)
 
 
-def bindable(processor: "ModuleType", prompt: "list[int]", updates: "Any", items: "Mapping[str, int]") -> "Counter[str]":
+def bindable(processor: "ModuleType", prompt: "list[int]", updates: "Any",
+             items: "Mapping[str, int]") -> "Counter[str]":
     """modality -> how many placeholders vLLM's matching would bind in ``prompt`` had it an item for each
     (``updates``: the items' resolved prompt updates, vLLM's ``MultiModalPromptUpdates``), for the
     modalities whose placeholder targets occur in ``prompt`` more often than ``items`` says; empty when
@@ -166,8 +167,11 @@ class VllmMediaPlaceholdersFix(Fix):
 
         processor = defined_in(module, [PROCESSOR])
         apply = original(vars(processor).get(APPLY)) if processor is not None else None
-        if apply is None or not all(callable(vars(module).get(name)) for name in (PLAN, "iter_token_matches")):
-            return drifted(f"{module.__name__} defines no {PROCESSOR}.{APPLY}, {PLAN} or iter_token_matches")
+        needs = {f"{PROCESSOR}.{APPLY}": apply, PLAN: vars(module).get(PLAN), "iter_token_matches": vars(module).get(
+            "iter_token_matches")}
+        missing = [name for name, found in needs.items() if not callable(found)]
+        if missing:
+            return drifted(f"{module.__name__} defines no {', '.join(missing)}")
         parameters = list(inspect.signature(apply).parameters)
         if parameters[:3] != ["self", "mm_items", "mm_res"]:
             return drifted(f"{PROCESSOR}.{APPLY}{tuple(parameters)} does not take self, mm_items, mm_res first")
