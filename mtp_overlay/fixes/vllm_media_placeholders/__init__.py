@@ -52,7 +52,7 @@ TALLY = Tally()
 # index of the next one in the request, for strict mode's error
 MESSAGES_SEEN: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
 PROCESSOR, APPLY = "BaseMultiModalProcessor", "_maybe_apply_prompt_updates"  # where vLLM binds items to placeholders
-PLAN = "_plan_prompt_updates"  # vLLM's matching of the items' targets in the prompt
+PLAN, MATCHES = "_plan_prompt_updates", "iter_token_matches"  # vLLM's matching of the items' targets in a prompt
 REFUSED: "Counter[str]" = Counter()  # modality -> prompts refused for surplus placeholders, in this process
 REFUSED_LOCK = threading.Lock()
 
@@ -88,14 +88,14 @@ def parse_chat_message_content(wrapped: "Callable[..., Any]", instance: "Any", a
 def bindable(processor: "ModuleType", prompt: "list[int]", updates: "Any",
              items: "Mapping[str, int]") -> "Counter[str]":
     """modality -> how many placeholders vLLM's matching would bind in ``prompt`` had it an item for each
-    (``updates``: the items' resolved prompt updates, vLLM's ``MultiModalPromptUpdates``), for the
-    modalities whose placeholder targets occur in ``prompt`` more often than ``items`` says; empty when
-    none does (one scan of the prompt per target: the common case)."""
+    (``updates``: the items' resolved prompt updates, vLLM's ``MultiModalPromptUpdates``; ``items``: the
+    count of each modality's items). Empty when no modality's targets occur more often than its items: one
+    scan of the prompt per target, the common case; vLLM's planner runs only for a prompt with a surplus."""
     occurrences: "Counter[str]" = Counter()
     for modality, per_item in updates.items():
         targets = {tuple(update.target) for alternatives in per_item for update in alternatives
                    if isinstance(update.target, list)}  # a PromptIndex (start, prefix, end) is no placeholder
-        occurrences[modality] = sum(sum(1 for _ in processor.iter_token_matches(prompt, list(target)))
+        occurrences[modality] = sum(sum(1 for _ in getattr(processor, MATCHES)(prompt, list(target)))
                                     for target in targets)
     if not any(occurrences[modality] > items.get(modality, 0) for modality in occurrences):
         return Counter()
@@ -167,8 +167,7 @@ class VllmMediaPlaceholdersFix(Fix):
 
         processor = defined_in(module, [PROCESSOR])
         apply = original(vars(processor).get(APPLY)) if processor is not None else None
-        needs = {f"{PROCESSOR}.{APPLY}": apply, PLAN: vars(module).get(PLAN), "iter_token_matches": vars(module).get(
-            "iter_token_matches")}
+        needs = {f"{PROCESSOR}.{APPLY}": apply, **{name: vars(module).get(name) for name in (PLAN, MATCHES)}}
         missing = [name for name, found in needs.items() if not callable(found)]
         if missing:
             return drifted(f"{module.__name__} defines no {', '.join(missing)}")
@@ -202,10 +201,9 @@ class VllmMediaPlaceholdersFix(Fix):
     def details(self) -> "dict[str, Any]":
         details = dict(TALLY.details())
         if REFUSED:
-            refused = ", ".join(f"{n} for {modality}" for modality, n in sorted(REFUSED.items()))
-            details["prompts_refused"] = dict(REFUSED)
-            details["note"] = "; ".join(filter(None, [details.get("note"), f"prompts refused with more placeholders "
-                                                                           f"than items: {refused}"]))
+            refused = ", ".join(f"{n} {modality}" for modality, n in sorted(REFUSED.items()))
+            note = f"prompt(s) with more placeholders than items refused: {refused}"
+            details.update(prompts_refused=dict(REFUSED), note="; ".join(filter(None, [details.get("note"), note])))
         return details
 
 
