@@ -65,6 +65,7 @@ FIXES = (
     )),
     ("vllm-media-placeholders", (
         "vllm.renderers.chat_utils.chat_message",
+        "vllm.multimodal.processing.processor",
     )),
     ("vllm-mtp-drafter-load", (
         "vllm.model_executor.models.nemotron_h_mtp",
