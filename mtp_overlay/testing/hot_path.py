@@ -7,7 +7,8 @@ mask routed and checked, the packed rolls, the CP loss scale, the SP scatter of 
 scatter its embedding). `step_reads` runs on each rank and counts (`syncs.SyncCounter`) the reads of
 the forward+backward alone, step by step: ``first`` (the one-time checks), ``warm`` (every later
 step), ``bshd`` (full-length rows), ``full`` (``MTP_OVERLAY_CHECKS=full``) and ``stock`` (the padded
-flavour, which stock can train). ``tests/testbed/test_hot_path_syncs.py`` asserts on it;
+flavour, which stock can train), ``stock bshd``; and the aten ops of each (a kernel launch each on a
+GPU). ``tests/testbed/test_hot_path_syncs.py`` asserts on it;
 ``scripts/hot_path_syncs.py`` prints it.
 """
 
@@ -16,11 +17,12 @@ LAYOUTS = {  # parallelism (testing.parity.PARALLELISMS) -> (model, sequence par
     "CP2": ("hybrid", False),
     "TP2+SP": ("hybrid, scatter=False", True),
 }
-STEPS = ("first", "warm", "bshd", "full", "stock")
+STEPS = ("first", "warm", "bshd", "full", "stock", "stock bshd")
 
 
 def step_reads(model_name, sequence_parallel, pad_multiple):
-    """Rank worker: per step of `STEPS`, (`SyncCounter.summary`, the step's grads, its MTP tokens)."""
+    """Rank worker: per step of `STEPS`, (`SyncCounter.summary`, the step's grads, its MTP tokens, its
+    aten ops: ``{"ops": {op: calls}, "by origin": {(origin, op): calls}, "files": {(origin, file): calls}}``)."""
     import mtp_overlay
 
     from . import parity
@@ -35,12 +37,14 @@ def step_reads(model_name, sequence_parallel, pad_multiple):
     counter = SyncCounter()
     step.schedule_scope = lambda: counter
 
-    def counted(rows=batch):
+    def counted(rows=batch, mtp_mask="scoped"):
         counter.clear()
-        result = step.step([rows], labels=False, update=False, mtp_mask="scoped")
-        return counter.summary(), result
+        result = step.step([rows], labels=False, update=False, mtp_mask=mtp_mask)
+        return counter.summary(), result, {"ops": dict(counter.op_counts()), "by origin": dict(counter.ops),
+                                           "files": dict(counter.op_files)}
 
     out = {"first": counted(), "warm": counted()}
+    counted(microbatch("uneven", labels=False))  # RoPE's cache of the full-length rows' frequencies filled
     out["bshd"] = counted(microbatch("uneven", labels=False))  # full-length rows, CP-sliced by Megatron's layout
     with checks_mode("full"):
         out["full"] = counted()
@@ -48,8 +52,10 @@ def step_reads(model_name, sequence_parallel, pad_multiple):
     # scatter a model that does not scatter its embedding needs under SP (without it: a crash)
     mtp_overlay.uninstall()
     mtp_overlay.install(only=["mtp-sp-scatter"] if model_name in parity.NOT_SCATTERING else [])
-    out["stock"] = counted(parity.packed_row(pad_multiple, "padded").microbatch(labels=False))
-    return {key: (summary, result.grads, result.mtp_tokens) for key, (summary, result) in out.items()}
+    # stock is given the mask as its loss_mask (it ignores a scope): the same masked MTP loss
+    out["stock"] = counted(parity.packed_row(pad_multiple, "padded").microbatch(labels=False), "explicit")
+    out["stock bshd"] = counted(microbatch("uneven", labels=False), "explicit")
+    return {key: (summary, result.grads, result.mtp_tokens, ops) for key, (summary, result, ops) in out.items()}
 
 
 def run(layout):

@@ -25,8 +25,8 @@ by its file:
 * ``"test bed"``: ``mtp_overlay/testing/`` (the CPU stand-ins, the step's bookkeeping);
 * ``"other"``: everything else (the caller, tests, other packages).
 
-The counter also counts every aten op of the block (`SyncCounter.ops`, by origin and op): on a GPU
-each is a kernel launch or more. On CUDA (``SyncCounter(device="cuda")``) only reads of device tensors
+The counter also counts every aten op of the block (`SyncCounter.ops`, by origin and op; `ops_by_file`
+by the file that called it): on a GPU each is a kernel launch or more. On CUDA (``SyncCounter(device="cuda")``) only reads of device tensors
 count (a host tensor's read waits for nothing), and CUDA's own detector
 (``torch.cuda.set_sync_debug_mode("warn")``) runs beside it: `cuda_syncs` holds what it reported, by
 file, and the two must agree. A dispatch mode is per thread: the block's thread counts, the autograd
@@ -107,6 +107,7 @@ class SyncCounter:
         self.device = device
         self.events = []
         self.ops = collections.Counter()  # (origin, aten op name) -> calls
+        self.op_files = collections.Counter()  # (origin, file of the innermost frame outside torch) -> calls
         self.cuda_syncs = collections.Counter()  # "file:line" -> syncs CUDA's detector reported
         self._saved = []
         self._local = threading.local()
@@ -144,9 +145,14 @@ class SyncCounter:
                 counts[name] += calls
         return counts
 
+    def ops_by_file(self, origin="overlay"):
+        """``{file: aten ops}`` of the block made by ``origin``'s files (paths as the frames have them)."""
+        return {path: calls for (who, path), calls in self.op_files.items() if who == origin}
+
     def clear(self):
         self.events.clear()
         self.ops.clear()
+        self.op_files.clear()
         self.cuda_syncs.clear()
 
     # --- counting -----------------------------------------------------------------------------------
@@ -208,8 +214,10 @@ class SyncCounter:
     def _dispatched(self, func, args, kwargs):
         """One aten op seen by the mode: counted, and recorded when it reads on the host."""
         frame = self._frame(3)
-        origin = "other" if frame is None else origin_of(frame.f_code.co_filename)
+        path = "<unknown>" if frame is None else frame.f_code.co_filename
+        origin = "other" if frame is None else origin_of(path)
         self.ops[(origin, func.name())] += 1
+        self.op_files[(origin, path)] += 1
         if getattr(self._local, "depth", 0) or not _reads(func, args, kwargs):
             return
         if self.device == "cuda" and not _on_device(args, kwargs):
