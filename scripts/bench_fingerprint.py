@@ -3,8 +3,8 @@
 64 float32 tensors of 1M elements (256 MiB, past every cache) by default; each repetition runs
 `mtp_overlay.mtp.fingerprint` over all of them and `torch.sum` of each, alternating which goes first,
 so machine drift hits both alike. Prints the median of each, their throughputs side by side and the
-ratio (goal >= 0.25), the bytes the fingerprint reads per tensor (two reductions over its bytes, then
-the hash of their sums), and what fingerprinting a refit of N GB costs at that throughput.
+ratio (goal >= 0.25), the bytes the fingerprint reads per tensor (row sums and column sums: two reductions over its
+bytes, then the hash of their sums), and what fingerprinting a refit of N GB costs at that throughput.
 
     PYTHONPATH=$PWD .venv/bin/python scripts/bench_fingerprint.py [--tensors 64] [--elements 1048576] [--repeats 15] [--device cpu]
 """
@@ -56,8 +56,7 @@ def main():
             times[name].append(time.perf_counter() - start)
     medians = {name: statistics.median(values) for name, values in times.items()}
     speed = {name: total / seconds / 1e9 for name, seconds in medians.items()}
-    pieces = _sums(tensors[0], None)
-    summary = sum(piece.numel() for piece in pieces) * 8
+    summary = sum(piece.numel() for vector in _sums(tensors[0], None) for piece in vector) * 8
     per_tensor = tensors[0].numel() * tensors[0].element_size()
     print(f"{args.tensors} x {args.elements} {tensors[0].dtype} on {args.device} ({total / 2**20:.0f} MiB), "
           f"median of {args.repeats}, interleaved")
@@ -65,7 +64,7 @@ def main():
         print(f"  {name:12s} {medians[name] * 1e3:9.2f} ms  {speed[name]:8.2f} GB/s")
     print(f"  ratio fingerprint / torch.sum throughput: {speed['fingerprint'] / speed['torch.sum']:.3f} (goal >= 0.25)")
     print(f"  bytes read per tensor: {2 * per_tensor} (two reductions over its {per_tensor} bytes) + "
-          f"{summary} bytes of row/column sums hashed")
+          f"{summary} bytes of row and column sums hashed")
     for gigabytes in (1, 15, 240):
         print(f"  a refit of {gigabytes} GB: {gigabytes / speed['fingerprint'] * 1e3:.1f} ms to fingerprint")
 

@@ -12,34 +12,35 @@ tensors the rollout worker receives (the stream its drafter's ``load_weights`` c
 tensors instead of showing up weeks later as "acceptance is low".
 
 Checksum (`tensor_checksum`, format 2): four exact integers per tensor, computed on the tensor's own
-device in two reductions over its bytes (each a read of the tensor at memory speed: no per-element
+device in two reductions over its bytes (each a read of the tensor at memory speed, with no
 arithmetic but the sum), so the same bytes give the same checksum on any device (CPU, CUDA, any
 index) and after any transport. The tensor's bytes, in logical order, are read as little-endian
-signed 64-bit words ``w_0 .. w_(m-1)`` (up to 7 bytes left over are one more word, zero-padded); the
-first ``R * C`` words form an ``R x C`` matrix (``C``: the least power of two >= 16 with
-``C * C >= m``, ``R = m // C``), the rest are the tail. ``a``: per row, the sums of its words at
-places ``j, j + 16, j + 32, ...`` for ``j < 16`` (row sums cut into 16 lanes, which keeps the
-reduction vectorised); ``b``: the column sums, then the tail words. Sums wrap modulo 2**64 (integer
-addition is associative modulo 2**64, so every device and every order of summation gives the same
-words) and are read as signed 64-bit integers ``v``. The checksum is ``(H1(a), H2(a), H1(b),
-H2(b))`` with the polynomial hashes ``Hk(v) = sum_i v_i * r_k^i mod p_k`` for two primes ``p_k``
-below 2**31, each ``r_k`` a primitive root of ``p_k`` (`_MODULI`); the hashes of all tensors on a
-device are taken in one batch (a handful of kernels over about ``17 * sqrt(m)`` values per tensor).
-Different dtypes are different bytes: pass ``dtype=`` to compare a trainer's fp32 tensors with a
-bf16 wire (the cast rounds to nearest-even, the same on every device). Together with the digest's
+signed 64-bit words ``w_0 .. w_(m-1)`` (up to 7 bytes left over, zero-padded, are one more word
+at the end of ``a`` and of ``b``).
+The first ``R * C`` words form an ``R x C`` matrix (``C``: the least integer >= 16 with ``C * C >=
+m``, ``R = m // C``), the rest are the tail. ``a``: the row sums; ``b``: the column sums, then the
+tail words and the left-over word one by one. Two words of the matrix share a row and a column only
+if they are one. Sums wrap modulo 2**64 (integer addition is
+associative modulo 2**64, so every device and every order of summation gives the same words) and
+are read as signed 64-bit integers. The checksum is ``(H1(a), H2(a), H1(b), H2(b))`` with the
+polynomial hashes ``Hk(v) = sum_i v_i * r_k^i mod p_k`` for two primes ``p_k`` below 2**31, each
+``r_k`` a primitive root of ``p_k`` (`_MODULI`); the hashes of all tensors on a device are taken in
+one batch (a handful of kernels over about ``2 * sqrt(m)`` values per tensor). Different dtypes are
+different bytes: pass ``dtype=`` to compare a trainer's fp32 tensors with a bf16 wire (the cast
+rounds to nearest-even, the same on every device). Together with the digest's
 shape, dtype and size it guarantees, for two tensors of one shape and dtype, that the checksums
 differ when one element of 1, 2 or 4 bytes (float32, bfloat16, float16, int32, int8, float8, bool),
 a byte or a bit changes: its word changes by ``e * 2**(8 * k)`` (``k`` the byte it starts at,
 ``0 < |e| < min(2**32, 2**(64 - 8 * k))``), one value of ``a`` (and one of ``b``) by ``D = e *
 2**(8 * k) + j * 2**64`` (``j`` in -1, 0, 1: a wrap) and its hash by ``D * r^i``, 0 modulo both
 primes only when ``p1 * p2`` divides ``D``, which no such ``e`` allows (checked by the tests for
-every ``k`` and ``j``). Two unequal elements that trade places change two values of ``a`` or of
-``b`` by ``D`` and ``-D`` up to a wrap: missed only when ``D`` is congruent modulo ``p1 * p2``
+every ``k`` and ``j``). Two unequal elements that trade places change two values of ``a`` (or of
+``b``, where they share a row) by ``D`` and ``-D`` up to a wrap: missed only when ``D`` is congruent modulo ``p1 * p2``
 (over 2**61) to one of four values the two places fix, which no rule an ordinary change follows
 brings about, but which is not excluded by proof.
 
 Beyond that nothing is guaranteed: a change of more than one element (swapped rows, a stale tensor)
-goes unnoticed only when it leaves every lane sum and every column sum unchanged or the polynomials of
+goes unnoticed only when it leaves every sum of ``a`` and of ``b`` unchanged or the polynomials of
 their changes have the bases as roots, which changes made without regard to these fixed, public
 constants essentially never do, but a change crafted against them can. No fingerprint of a few
 bytes can do more: past its size there are more tensors than fingerprints, so tensors that differ
@@ -51,6 +52,7 @@ format 1: two polynomial hashes of 16-bit words) is a ValueError, never a mismat
 
 from __future__ import annotations
 
+import math
 import re
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -71,7 +73,7 @@ NAMESPACE, POSITIONAL = "mtp.*", "positional"
 # resp. floor(p * (sqrt 2 - 1)); below 2**31 every product of a word (< 2**16) or a residue with a
 # residue stays below 2**62 in int64
 _MODULI = ((2147483647, 1327217885), (2147483629, 889516854))
-_LANES = 16  # row sums kept per lane of 16 words (128 bytes): an inner reduction that vectorises
+_WIDTH = 16  # the least width of the words' matrix
 FORMAT = 2  # of TensorDigest.checksum; format 1 (mtp-overlay before it): two hashes of 16-bit words
 
 
@@ -130,9 +132,10 @@ def tensor_checksum(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> t
     return _hash([_sums(tensor, dtype)], tensor.device)[0]
 
 
-def _sums(tensor: torch.Tensor, dtype: torch.dtype | None) -> tuple[torch.Tensor, ...]:
-    """``(a, *b)``: the lane sums of the rows, then the column sums and the tail words (int64 pieces
-    on the tensor's device): two reductions reading the tensor, small ops on what is left over."""
+def _sums(tensor: torch.Tensor, dtype: torch.dtype | None) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+    """``(a, b)``, each a tuple of int64 pieces on the tensor's device: the row sums of the words'
+    matrix; its column sums, the words past it and the left-over word. Two reductions, each reading
+    the tensor once."""
     import torch
 
     if not isinstance(tensor, torch.Tensor):
@@ -146,35 +149,30 @@ def _sums(tensor: torch.Tensor, dtype: torch.dtype | None) -> tuple[torch.Tensor
     data = flat.view(torch.uint8) if flat.numel() else flat.new_empty(0, dtype=torch.uint8)
     if data.storage_offset() % 8:  # a view at an odd place: 64-bit words need aligned bytes
         data = data.clone()
-    words = data.numel() // 8
-    width = _LANES
-    while width * width < words:
-        width *= 2
-    rows = words // width
-    block = data[:8 * rows * width].view(torch.int64).view(rows, width)
-    pieces = [block.view(rows, width // _LANES, _LANES).sum(1).view(-1), block.sum(0)]
-    if words > rows * width:
-        pieces.append(data[8 * rows * width:8 * words].view(torch.int64))
-    if data.numel() > 8 * words:
-        pieces.append(torch.nn.functional.pad(data[8 * words:], (0, 8 - data.numel() % 8)).view(torch.int64))
-    return tuple(pieces)
+    count = data.numel() // 8
+    words = data[:8 * count].view(torch.int64)
+    left = ()  # the bytes left over: one more word, zero-padded, at the end of both vectors
+    if data.numel() > 8 * count:
+        left = (torch.nn.functional.pad(data[8 * count:], (0, 8 - data.numel() % 8)).view(torch.int64),)
+    width = max(_WIDTH, math.isqrt(count - 1) + 1 if count else 0)  # the least >= 16 with width**2 >= count
+    rows = count // width
+    block = words[:rows * width].view(rows, width)
+    return (block.sum(1),), (block.sum(0), words[rows * width:]) + left
 
 
-def _hash(sums: list[tuple[torch.Tensor, ...]], device: torch.device) -> torch.Tensor:
+def _hash(sums: list[tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]], device: torch.device) -> torch.Tensor:
     """[len(sums), 4] int64 on ``device``: per tensor ``(H1(a), H2(a), H1(b), H2(b))`` of its `_sums`,
     all tensors at once (segment ``2 * t`` is tensor t's ``a``, ``2 * t + 1`` its ``b``)."""
     import torch
 
-    lengths = []
-    for pieces in sums:
-        lengths += [pieces[0].numel(), sum(piece.numel() for piece in pieces[1:])]
+    lengths = [sum(piece.numel() for piece in vector) for pair in sums for vector in pair]
     count = torch.tensor(lengths, dtype=torch.int64)
     segment = torch.repeat_interleave(torch.arange(len(lengths)), count)
     place = torch.arange(int(count.sum())) - torch.repeat_interleave(count.cumsum(0) - count, count)
     moduli, radix = (torch.tensor([[n] for n in column], dtype=torch.int64, device=device)
                      for column in zip(*((p, (1 << 32) % p) for p, _ in _MODULI)))
     weights = _powers(max(lengths, default=0)).to(device)[:, place.to(device)]  # [2, values]: r_k^i
-    values = torch.cat([piece for pieces in sums for piece in pieces])
+    values = torch.cat([piece for pair in sums for vector in pair for piece in vector])
     # v mod p from v = high * 2**32 + low: |high * (2**32 mod p)| < 2**62, low < 2**32
     values = ((values >> 32) * radix + (values & 0xFFFFFFFF)).remainder_(moduli)  # [2, values]
     terms = (values * weights).remainder_(moduli)  # < 2**62 before the remainder, < 2**31 after

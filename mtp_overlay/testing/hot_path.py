@@ -20,9 +20,10 @@ LAYOUTS = {  # parallelism (testing.parity.PARALLELISMS) -> (model, sequence par
 STEPS = ("first", "warm", "bshd", "full", "stock", "stock bshd")
 
 
-def step_reads(model_name, sequence_parallel, pad_multiple):
+def step_reads(model_name, sequence_parallel, pad_multiple, **overrides):
     """Rank worker: per step of `STEPS`, (`SyncCounter.summary`, the step's grads, its MTP tokens, its
-    aten ops: ``{"ops": {op: calls}, "by origin": {(origin, op): calls}, "files": {(origin, file): calls}}``)."""
+    aten ops: ``{"ops": {op: calls}, "by origin": {(origin, op): calls}, "files": {(origin, file): calls}}``).
+    ``overrides``: `parity.build`'s (e.g. ``mtp_num_layers=2``)."""
     import mtp_overlay
 
     from . import parity
@@ -31,7 +32,7 @@ def step_reads(model_name, sequence_parallel, pad_multiple):
     from .syncs import SyncCounter, checks_mode
 
     mtp_overlay.uninstall()  # the model is built by stock megatron-core, then every fix goes in
-    step = MegatronStep(parity.build(model_name, sequence_parallel=sequence_parallel), optimizer=None)
+    step = MegatronStep(parity.build(model_name, sequence_parallel=sequence_parallel, **overrides), optimizer=None)
     mtp_overlay.install()
     batch = parity.packed_row(pad_multiple, "unpadded").microbatch(labels=False)
     counter = SyncCounter()
@@ -56,6 +57,38 @@ def step_reads(model_name, sequence_parallel, pad_multiple):
     out["stock"] = counted(parity.packed_row(pad_multiple, "padded").microbatch(labels=False), "explicit")
     out["stock bshd"] = counted(microbatch("uneven", labels=False), "explicit")
     return {key: (summary, result.grads, result.mtp_tokens, ops) for key, (summary, result, ops) in out.items()}
+
+
+def step_times(model_name, pad_multiple, repeats, **overrides):
+    """Rank worker: the packed row's step, every fix installed (real lengths, mask scoped) and stock
+    (padded, mask given), alternating every repetition, each switch followed by an untimed step;
+    ``{"overlay": median s, "stock": median s}``."""
+    import statistics
+    import time
+
+    import mtp_overlay
+
+    from . import parity
+    from .megatron_step import MegatronStep
+
+    mtp_overlay.uninstall()
+    step = MegatronStep(parity.build(model_name, **overrides), optimizer=None)
+    sides = {"overlay": (parity.packed_row(pad_multiple, "unpadded"), "scoped", None),
+             "stock": (parity.packed_row(pad_multiple, "padded"), "explicit", [])}
+    times = {side: [] for side in sides}
+    for index in range(2 * repeats + 4):
+        side = "overlay" if index % 2 else "stock"
+        row, route, fixes = sides[side]
+        mtp_overlay.uninstall()
+        mtp_overlay.install(only=fixes)
+        rows = [row.microbatch(labels=False)]
+        step.step(rows, labels=False, update=False, mtp_mask=route)  # untimed: the switch's own cost
+        start = time.perf_counter()
+        step.step(rows, labels=False, update=False, mtp_mask=route)
+        if index >= 4:  # warm-up steps are not counted
+            times[side].append(time.perf_counter() - start)
+    mtp_overlay.install()
+    return {side: statistics.median(values) for side, values in times.items()}
 
 
 def run(layout):

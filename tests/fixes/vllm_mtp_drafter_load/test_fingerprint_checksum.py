@@ -41,23 +41,23 @@ def test_layout_dtype_and_shape_are_part_of_the_digest():
 
 def reference(tensor):
     """The checksum by its definition (refit's docstring), in Python integers: the tensor's bytes as
-    little-endian signed 64-bit words (a zero-padded last one), the R x C matrix of the first R * C,
-    per row its 16 lane sums, its column sums then the tail words, sums wrapped to signed 64 bits,
-    each hashed ``sum_i v_i * r^i mod p``."""
+    little-endian signed 64-bit words, the row sums of the R x C matrix of the first R * C of them,
+    its column sums then the words past it and a zero-padded last word of left-over bytes, sums
+    wrapped to signed 64 bits, each vector hashed ``sum_i v_i * r^i mod p``."""
     data = bytes(tensor.detach().reshape(-1).contiguous().view(torch.uint8).tolist())
-    full = len(data) // 8
-    data += bytes(-len(data) % 8)
-    words = [int.from_bytes(data[i:i + 8], "little", signed=True) for i in range(0, len(data), 8)]
+    count = len(data) // 8
+    words = [int.from_bytes(data[i:i + 8], "little", signed=True) for i in range(0, 8 * count, 8)]
+    left = [int.from_bytes(data[8 * count:] + bytes(8 - len(data) % 8), "little", signed=True)] if len(data) % 8 else []
     width = 16
-    while width * width < full:
-        width *= 2
-    rows = full // width
+    while width * width < count:
+        width += 1
+    rows = count // width
 
     def wrap(n):
         return (n + 2**63) % 2**64 - 2**63
 
-    a = [wrap(sum(words[r * width + j::16][:width // 16])) for r in range(rows) for j in range(16)]
-    b = [wrap(sum(words[r * width + c] for r in range(rows))) for c in range(width)] + words[rows * width:]
+    a = [wrap(sum(words[r * width:(r + 1) * width])) for r in range(rows)]
+    b = [wrap(sum(words[r * width + c] for r in range(rows))) for c in range(width)] + words[rows * width:] + left
 
     def hashes(values):
         return tuple(sum(v * pow(r, i, p) for i, v in enumerate(values)) % p for p, r in refit._MODULI)
@@ -79,14 +79,13 @@ def test_the_checksum_is_its_definition():
 
 
 def test_checksum_is_exact_where_sums_wrap():
-    """The largest and the smallest word in every place, 64 x 64 of them: every lane and column sum
+    """The largest and the smallest word in every place, 64 x 64 of them: every row and column sum
     wraps past 64 bits; against the geometric series by hand."""
     for word in (2**63 - 1, -2**63):
         data = torch.full((64 * 64,), word, dtype=torch.int64)
-        lane, column = (((word * n + 2**63) % 2**64) - 2**63 for n in (4, 64))  # a row of 64 words: 16 lanes of 4
-        expected = [(value * (pow(r, count, p) - 1) * pow(r - 1, -1, p)) % p
-                    for value, count in ((lane, 64 * 16), (column, 64)) for p, r in refit._MODULI]
-        assert tuple(tensor_checksum(data).tolist()) == tuple(expected) == reference(data)
+        wrapped = ((word * 64 + 2**63) % 2**64) - 2**63  # a sum of 64 words
+        expected = [(wrapped * (pow(r, 64, p) - 1) * pow(r - 1, -1, p)) % p for p, r in refit._MODULI]
+        assert tuple(tensor_checksum(data).tolist()) == tuple(expected * 2) == reference(data)
 
 
 def is_prime(n):
