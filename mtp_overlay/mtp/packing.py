@@ -359,7 +359,9 @@ def row_plan(
             real_lengths = torch.stack([real_lengths, real_lengths], 1).flatten()
         return RowPlan(real, padded, starts, lengths, offsets, real_lengths)
 
-    return per_forward(("row", length, cp_size, cp_rank, str(device)), (cu_seqlens_q, cu_seqlens_q_padded), build)
+    plan: RowPlan = per_forward(("row", length, cp_size, cp_rank, str(device)), (cu_seqlens_q, cu_seqlens_q_padded),
+                                build)
+    return plan
 
 
 def _short(name: str) -> str:

@@ -63,6 +63,7 @@ if TYPE_CHECKING:  # annotations only: torch loads inside the functions
     import torch
 
     NamedTensors: TypeAlias = "Iterable[tuple[str, torch.Tensor]]"
+    _Sums: TypeAlias = "tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]"  # (a, b) of `_sums`
 
 # multimodal wrappers nest the language model's weights (vLLM strips these for Nemotron-H VL)
 _WRAPPER_PREFIXES = ("model.language_model.", "language_model.")
@@ -132,7 +133,7 @@ def tensor_checksum(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> t
     return _hash([_sums(tensor, dtype)], tensor.device)[0]
 
 
-def _sums(tensor: torch.Tensor, dtype: torch.dtype | None) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+def _sums(tensor: torch.Tensor, dtype: torch.dtype | None) -> _Sums:
     """``(a, b)``, each a tuple of int64 pieces on the tensor's device: the row sums of the words'
     matrix; its column sums, the words past it and the left-over word. Two reductions, each reading
     the tensor once."""
@@ -151,7 +152,7 @@ def _sums(tensor: torch.Tensor, dtype: torch.dtype | None) -> tuple[tuple[torch.
         data = data.clone()
     count = data.numel() // 8
     words = data[:8 * count].view(torch.int64)
-    left = ()  # the bytes left over: one more word, zero-padded, at the end of both vectors
+    left: tuple[torch.Tensor, ...] = ()  # the bytes left over: one more word, zero-padded, at the end of both vectors
     if data.numel() > 8 * count:
         left = (torch.nn.functional.pad(data[8 * count:], (0, 8 - data.numel() % 8)).view(torch.int64),)
     width = max(_WIDTH, math.isqrt(count - 1) + 1 if count else 0)  # the least >= 16 with width**2 >= count
@@ -160,7 +161,7 @@ def _sums(tensor: torch.Tensor, dtype: torch.dtype | None) -> tuple[tuple[torch.
     return (block.sum(1),), (block.sum(0), words[rows * width:]) + left
 
 
-def _hash(sums: list[tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]], device: torch.device) -> torch.Tensor:
+def _hash(sums: list[_Sums], device: torch.device) -> torch.Tensor:
     """[len(sums), 4] int64 on ``device``: per tensor ``(H1(a), H2(a), H1(b), H2(b))`` of its `_sums`,
     all tensors at once (segment ``2 * t`` is tensor t's ``a``, ``2 * t + 1`` its ``b``)."""
     import torch
@@ -208,7 +209,7 @@ def fingerprint(
     in one batch and one host transfer per device. A name seen twice is a ValueError.
     """
     entries: dict[str, tuple[tuple[int, ...], str, int]] = {}
-    sums: dict[torch.device, list[tuple[str, tuple[torch.Tensor, ...]]]] = {}
+    sums: dict[torch.device, list[tuple[str, _Sums]]] = {}
     for index, (name, tensor) in enumerate(_pairs(named_tensors, "named_tensors")):
         if keep is not None and not keep(name):
             continue
