@@ -25,9 +25,9 @@ by its file:
 * ``"test bed"``: ``mtp_overlay/testing/`` (the CPU stand-ins, the step's bookkeeping);
 * ``"other"``: everything else (the caller, tests, other packages).
 
-The counter also counts every aten op of the block (`SyncCounter.ops`, by origin and op; `ops_by_file`
-by the file that called it): on a GPU each is a kernel launch or more. On CUDA (``SyncCounter(device="cuda")``) only reads of device tensors
-count (a host tensor's read waits for nothing), and CUDA's own detector
+The counter also counts every aten op of the block (`SyncCounter.ops`, by origin and op; ``op_files``,
+by origin and the file that called it): on a GPU each is a kernel launch or more. On CUDA
+(``SyncCounter(device="cuda")``) only reads of device tensors count (a host tensor's read waits for nothing), and CUDA's own detector
 (``torch.cuda.set_sync_debug_mode("warn")``) runs beside it: `cuda_syncs` holds what it reported, by
 file, and the two must agree. A dispatch mode is per thread: the block's thread counts, the autograd
 engine's backward of CPU work included (it runs on the caller's thread).
@@ -144,10 +144,6 @@ class SyncCounter:
             if origin is None or who == origin:
                 counts[name] += calls
         return counts
-
-    def ops_by_file(self, origin="overlay"):
-        """``{file: aten ops}`` of the block made by ``origin``'s files (paths as the frames have them)."""
-        return {path: calls for (who, path), calls in self.op_files.items() if who == origin}
 
     def clear(self):
         self.events.clear()
