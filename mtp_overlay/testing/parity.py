@@ -187,9 +187,10 @@ def microbatch(case):
     return packed_row(case.pad_multiple, case.layout).microbatch(labels=False)
 
 
-def build(model, *, sequence_parallel=False, seed=1234, mtp_moe_flag=False):
+def build(model, *, sequence_parallel=False, seed=1234, mtp_moe_flag=False, **overrides):
     """A per-token-loss model of MODELS for this rank (TP/CP/EP/PP from parallel_state; under PP its
-    stage); with ``mtp_moe_flag`` its MTP block's MoE layers flagged by hand (`moe.flag_mtp_moe_layers`)."""
+    stage); with ``mtp_moe_flag`` its MTP block's MoE layers flagged by hand (`moe.flag_mtp_moe_layers`);
+    ``overrides`` go to the test bed's builder (e.g. ``mtp_num_layers=2`` for "gpt")."""
     from . import pipeline
     from .moe import flag_mtp_moe_layers
     from .tiny_gpt import build_tiny_gpt
@@ -209,7 +210,7 @@ def build(model, *, sequence_parallel=False, seed=1234, mtp_moe_flag=False):
         if pipeline.size() > 1 and builder is build_tiny_hybrid:
             settings["hybrid_layer_pattern"] = PIPELINED_PATTERN
         built = builder(seed=seed, sequence_parallel=sequence_parallel, calculate_per_token_loss=True, **settings,
-                        **moe)
+                        **moe, **overrides)
     if mtp_moe_flag:
         flag_mtp_moe_layers(built)
     return built

@@ -25,9 +25,9 @@ by its file:
 * ``"test bed"``: ``mtp_overlay/testing/`` (the CPU stand-ins, the step's bookkeeping);
 * ``"other"``: everything else (the caller, tests, other packages).
 
-The counter also counts every aten op of the block (`SyncCounter.ops`, by origin and op): on a GPU
-each is a kernel launch or more. On CUDA (``SyncCounter(device="cuda")``) only reads of device tensors
-count (a host tensor's read waits for nothing), and CUDA's own detector
+The counter also counts every aten op of the block (`SyncCounter.ops`, by origin and op; ``op_files``,
+by origin and the file that called it): on a GPU each is a kernel launch or more. On CUDA
+(``SyncCounter(device="cuda")``) only reads of device tensors count (a host tensor's read waits for nothing), and CUDA's own detector
 (``torch.cuda.set_sync_debug_mode("warn")``) runs beside it: `cuda_syncs` holds what it reported, by
 file, and the two must agree. A dispatch mode is per thread: the block's thread counts, the autograd
 engine's backward of CPU work included (it runs on the caller's thread).
@@ -107,6 +107,7 @@ class SyncCounter:
         self.device = device
         self.events = []
         self.ops = collections.Counter()  # (origin, aten op name) -> calls
+        self.op_files = collections.Counter()  # (origin, file of the innermost frame outside torch) -> calls
         self.cuda_syncs = collections.Counter()  # "file:line" -> syncs CUDA's detector reported
         self._saved = []
         self._local = threading.local()
@@ -147,6 +148,7 @@ class SyncCounter:
     def clear(self):
         self.events.clear()
         self.ops.clear()
+        self.op_files.clear()
         self.cuda_syncs.clear()
 
     # --- counting -----------------------------------------------------------------------------------
@@ -208,8 +210,10 @@ class SyncCounter:
     def _dispatched(self, func, args, kwargs):
         """One aten op seen by the mode: counted, and recorded when it reads on the host."""
         frame = self._frame(3)
-        origin = "other" if frame is None else origin_of(frame.f_code.co_filename)
+        path = "<unknown>" if frame is None else frame.f_code.co_filename
+        origin = "other" if frame is None else origin_of(path)
         self.ops[(origin, func.name())] += 1
+        self.op_files[(origin, path)] += 1
         if getattr(self._local, "depth", 0) or not _reads(func, args, kwargs):
             return
         if self.device == "cuda" and not _on_device(args, kwargs):

@@ -216,8 +216,8 @@ class CPLossScaleFix(Fix):
                 return rolled, count
             totals = torch.stack([counts.original.to(count.dtype), count])
             torch.distributed.all_reduce(totals, group=counts.group)
-            counts.original_total = totals[0]
-            return rolled, totals[1]
+            counts.original_total, total = totals.unbind()
+            return rolled, total
 
         def save_metrics_to_tracker(wrapped: "Callable[..., Any]", instance: "Any", args: "tuple[Any, ...]",
                                     kwargs: "dict[str, Any]") -> "Any":
