@@ -46,7 +46,7 @@ case "${1:-}" in
   *) echo "usage: scripts/gpu_check.sh [--cpu | --fetch-wheels]" >&2; exit 2 ;;
 esac
 
-log=$(mktemp -t mtp-overlay-gpu-check-XXXXXX.log)
+log=$(mktemp -p "${OUT:-${TMPDIR:-/tmp}}" mtp-overlay-gpu-check-XXXXXX.log)  # under $OUT: back even on a timeout
 rows=()
 failed=0
 # row NAME COMMAND...: runs it (its output appended to the log), records "NAME ok|FAILED N s LAST-LINE"
