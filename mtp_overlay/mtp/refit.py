@@ -167,17 +167,19 @@ def _hash(sums: list[_Sums], device: torch.device) -> torch.Tensor:
     import torch
 
     lengths = [sum(piece.numel() for piece in vector) for pair in sums for vector in pair]
-    count = torch.tensor(lengths, dtype=torch.int64)
-    segment = torch.repeat_interleave(torch.arange(len(lengths)), count)
-    place = torch.arange(int(count.sum())) - torch.repeat_interleave(count.cumsum(0) - count, count)
+    # each value's segment and place in it, built on the device (sizes known here: no host read, and
+    # no per-value index copied over)
+    count = torch.tensor(lengths, dtype=torch.int64, device=device)
+    segment = torch.repeat_interleave(torch.arange(len(lengths), device=device), count, output_size=sum(lengths))
+    place = torch.arange(sum(lengths), device=device) - (count.cumsum(0) - count)[segment]
     moduli, radix = (torch.tensor([[n] for n in column], dtype=torch.int64, device=device)
                      for column in zip(*((p, (1 << 32) % p) for p, _ in _MODULI)))
-    weights = _powers(max(lengths, default=0)).to(device)[:, place.to(device)]  # [2, values]: r_k^i
+    weights = _powers(max(lengths, default=0)).to(device)[:, place]  # [2, values]: r_k^i
     values = torch.cat([piece for pair in sums for vector in pair for piece in vector])
     # v mod p from v = high * 2**32 + low: |high * (2**32 mod p)| < 2**62, low < 2**32
     values = ((values >> 32) * radix + (values & 0xFFFFFFFF)).remainder_(moduli)  # [2, values]
     terms = (values * weights).remainder_(moduli)  # < 2**62 before the remainder, < 2**31 after
-    hashes = values.new_zeros(2, len(lengths)).index_add_(1, segment.to(device), terms).remainder_(moduli)
+    hashes = values.new_zeros(2, len(lengths)).index_add_(1, segment, terms).remainder_(moduli)
     return hashes.view(2, len(sums), 2).permute(1, 2, 0).reshape(len(sums), 4)  # (H1(a), H2(a), H1(b), H2(b))
 
 

@@ -216,7 +216,7 @@ class SyncCounter:
         self.op_files[(origin, path)] += 1
         if getattr(self._local, "depth", 0) or not _reads(func, args, kwargs):
             return
-        if self.device == "cuda" and not _on_device(args, kwargs):
+        if self.device == "cuda" and not _read_on_device(func, args, kwargs):
             return
         self._record(func.name(), depth=4)
 
@@ -276,7 +276,21 @@ class _ReadingOps(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         self.counter._dispatched(func, args, kwargs)
-        return func(*args, **kwargs)
+        if self.counter.device != "cuda":
+            return func(*args, **kwargs)
+        # CUDA's detector warns from inside the op: its Python frame would be this one; attribute the
+        # syncs it reports to the op's caller, as the aten count is
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = func(*args, **kwargs)
+        for warning in caught:
+            if "synchroniz" in str(warning.message):
+                frame = self.counter._frame(2)
+                place = "<unknown>:0" if frame is None else f"{frame.f_code.co_filename}:{frame.f_lineno}"
+                self.counter.cuda_syncs[place] += 1
+            else:
+                warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
+        return out
 
 
 def _reads(func, args, kwargs):
@@ -299,11 +313,20 @@ def _reads(func, args, kwargs):
     return False
 
 
-def _on_device(args, kwargs):
-    """Whether any tensor argument lives on an accelerator (on CUDA, a host tensor's read waits for nothing)."""
-    tensors = [value for value in (*args, *kwargs.values()) if isinstance(value, torch.Tensor)]
-    tensors += [item for value in args if isinstance(value, (list, tuple)) for item in value if isinstance(item, torch.Tensor)]
-    return any(tensor.device.type != "cpu" for tensor in tensors)
+def _read_on_device(func, args, kwargs):
+    """Whether the tensor whose values ``func`` reads lives on an accelerator (on CUDA, reading a host
+    tensor waits for nothing): the indices of a boolean index, the repeats, the source of a copy,
+    else the first argument."""
+    packet = func.overloadpacket
+    if packet in (_aten.index, _aten.index_put_, _aten.index_put, _aten._index_put_impl_):
+        read = [index for index in (args[1] if len(args) > 1 else kwargs.get("indices", ())) if index is not None]
+    elif packet is _aten.repeat_interleave:
+        read = [args[-1] if func is _aten.repeat_interleave.Tensor else args[1]]
+    elif packet is _aten.copy_:
+        read = [args[1]]
+    else:
+        read = [args[0]] if args else []
+    return any(isinstance(tensor, torch.Tensor) and tensor.device.type != "cpu" for tensor in read)
 
 
 def _to_host(self, *args, **kwargs):
