@@ -228,16 +228,34 @@ class SyncCounter:
         def counted(*args, **kwargs):
             if getattr(local, "depth", 0):
                 return function(*args, **kwargs)
-            if reads is None or reads(*args, **kwargs):
+            if (reads is None or reads(*args, **kwargs)) and (self.device != "cuda" or _on_device(args[:1])):
                 self._record(kind)
             local.depth = 1
             try:
-                return function(*args, **kwargs)
+                return self.attributing_cuda_syncs(function, *args, **kwargs)
             finally:
                 local.depth = 0
 
         counted.__wrapped__ = function
         return counted
+
+    def attributing_cuda_syncs(self, function, *args, **kwargs):
+        """``function(*args, **kwargs)``; on CUDA, the syncs CUDA's detector reports inside it are
+        recorded in `cuda_syncs` at the caller outside torch and this module (the detector's warning
+        would name the frame that called into C++: ours)."""
+        if self.device != "cuda":
+            return function(*args, **kwargs)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = function(*args, **kwargs)
+        for warning in caught:
+            if "synchroniz" in str(warning.message):
+                frame = self._frame(2)
+                place = "<unknown>:0" if frame is None else f"{frame.f_code.co_filename}:{frame.f_lineno}"
+                self.cuda_syncs[place] += 1
+            else:
+                warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
+        return out
 
     def _replace(self, owner, name, kind, reads=None):
         if name in vars(owner):
@@ -276,21 +294,7 @@ class _ReadingOps(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         self.counter._dispatched(func, args, kwargs)
-        if self.counter.device != "cuda":
-            return func(*args, **kwargs)
-        # CUDA's detector warns from inside the op: its Python frame would be this one; attribute the
-        # syncs it reports to the op's caller, as the aten count is
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            out = func(*args, **kwargs)
-        for warning in caught:
-            if "synchroniz" in str(warning.message):
-                frame = self.counter._frame(2)
-                place = "<unknown>:0" if frame is None else f"{frame.f_code.co_filename}:{frame.f_lineno}"
-                self.counter.cuda_syncs[place] += 1
-            else:
-                warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
-        return out
+        return self.counter.attributing_cuda_syncs(func, *args, **kwargs)
 
 
 def _reads(func, args, kwargs):
@@ -326,7 +330,12 @@ def _read_on_device(func, args, kwargs):
         read = [args[1]]
     else:
         read = [args[0]] if args else []
-    return any(isinstance(tensor, torch.Tensor) and tensor.device.type != "cpu" for tensor in read)
+    return _on_device(read)
+
+
+def _on_device(tensors):
+    """Whether any of ``tensors`` (other values ignored) lives on an accelerator."""
+    return any(isinstance(tensor, torch.Tensor) and tensor.device.type != "cpu" for tensor in tensors)
 
 
 def _to_host(self, *args, **kwargs):
