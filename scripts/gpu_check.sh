@@ -95,7 +95,7 @@ fi
 row "demo" "$python" -m mtp_overlay.cli demo
 row "verify nemotron_h_like" "$python" -m mtp_overlay.cli verify --hf-config tests/verification/configs/nemotron_h_like
 engine_out=$(mktemp -t mtp-overlay-gpu-check-engine-XXXXXX.txt)
-row "hot path" bash -c "'$python' -m mtp_overlay.testing.gpu_check ${engine[*]} > '$engine_out'"
+row "hot path" bash -c "'$python' -m mtp_overlay.testing.gpu_check ${engine[*]} > '$engine_out' && tail -1 '$engine_out'"
 
 table=$(
   echo "== scripts/gpu_check.sh ($mode mode) on $(hostname), $(date -u +%Y-%m-%dT%H:%MZ): $machine"
