@@ -76,4 +76,4 @@ def test_the_overlay_issues_no_more_aten_ops_than_stock_on_the_packed_row(layout
         total = {step: sum(counts.values()) for step, counts in ops.items()}
         assert total["warm"] <= total["stock"], (name, rank, total)
         assert 1 <= ops["warm"].get(ASSERT, 0) <= 4 and ops["stock"].get(ASSERT, 0) == 0, (name, rank, ops["warm"].get(ASSERT))
-        assert 0 < total["bshd"] - total["stock bshd"] <= 10, (name, rank, total)
+        assert total["bshd"] - total["stock bshd"] <= 10, (name, rank, total)

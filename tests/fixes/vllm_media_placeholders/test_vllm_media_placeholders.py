@@ -1,4 +1,4 @@
-"""vllm-media-placeholders on the installed vLLM (0.33.0): the chat route (OpenAIServingChat on vLLM's
+"""vllm-media-placeholders on the installed vLLM (the pin): the chat route (OpenAIServingChat on vLLM's
 renderer, LLaVA's processor, the tiny processor folder with the seed's rule as its template) renders one
 placeholder per structured image with the fix; stock renders the literal copies, binds one image and
 leaves a stray image token, or crashes when the literals are fewer than the images. A tokenized prompt
