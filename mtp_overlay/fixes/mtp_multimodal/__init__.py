@@ -41,10 +41,13 @@ class MultimodalFix(Fix):
     declaration = DECLARATION  # targets "llava" (LLaVAModel) and "mimo" (MimoModel)
 
     def probe(self, module: "ModuleType") -> Verdict:
-        return MODELS[self.role_of(module)].probe(module)
+        verdict: Verdict = MODELS[self.role_of(module)].probe(module)
+        return verdict
 
     def wrappers(self, module: "ModuleType") -> "Iterator[tuple[object, str, Callable[..., Any]]]":
-        return MODELS[self.role_of(module)].wrappers(module, self.check_loss_mask_hook)
+        found: "Iterator[tuple[object, str, Callable[..., Any]]]" = MODELS[self.role_of(module)].wrappers(
+            module, self.check_loss_mask_hook)
+        return found
 
     def check_loss_mask_hook(self) -> None:
         """RuntimeError unless fix mtp-loss-mask's forward hook, which hands the combined inputs to the

@@ -57,7 +57,7 @@ def rolls_none() -> bool:
     from megatron.core.transformer import multi_token_prediction
 
     try:
-        return multi_token_prediction.roll_tensor(None, shifts=-1, dims=-1) == (None, None)
+        return bool(multi_token_prediction.roll_tensor(None, shifts=-1, dims=-1) == (None, None))
     except (TypeError, AttributeError):
         return False
 
@@ -106,7 +106,7 @@ def probe(module: "ModuleType") -> Verdict:
 def wrappers(module: "ModuleType", check: "Callable[[], None]") -> "Iterator[tuple[object, str, Callable[..., Any]]]":
     """The three LLaVAModel wrappers; ``check`` raises unless the hook that injects is installed."""
     cls = defined_in(module, [MODEL])
-    methods = stock_methods(cls)
+    methods: "dict[str, Any]" = stock_methods(cls)  # probed first: every method is there
     preprocess_at = positions(methods["_preprocess_data"], method=True)
     parallel_at = positions(methods["_process_embedding_token_parallel"], method=True)
     forward_at = positions(methods["forward"], method=True)

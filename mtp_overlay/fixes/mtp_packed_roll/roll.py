@@ -29,10 +29,15 @@ import torch
 from ...mtp import checks
 from ...mtp.packing import assert_boundaries, boundary_tensor, chunk_runs, covered
 
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
+
 REAL, PADDED = "packed_seq_params.cu_seqlens_q", "packed_seq_params.cu_seqlens_q_padded"
 
 
-def roll_packed(tensor, cu_seqlens_q, cu_seqlens_q_padded=None, cp_group=None, cp_size=1, cp_rank=0):
+def roll_packed(tensor: "torch.Tensor", cu_seqlens_q: "torch.Tensor", cu_seqlens_q_padded: "torch.Tensor | None" = None,
+                cp_group: "Any" = None, cp_size: int = 1, cp_rank: int = 0) -> "torch.Tensor":
     """``tensor`` [..., L], a CP-local packed row, rolled left by one within its padded sequences.
 
     ``cu_seqlens_q``: the real boundaries; ``cu_seqlens_q_padded``: those the row is laid out on
@@ -68,7 +73,8 @@ def roll_packed(tensor, cu_seqlens_q, cu_seqlens_q_padded=None, cp_group=None, c
     return rolled.masked_fill_(~covered(starts, live, length), 0)
 
 
-def _splice_neighbours(tensor, rolled, starts, lengths, cp_group, cp_size, cp_rank):
+def _splice_neighbours(tensor: "torch.Tensor", rolled: "torch.Tensor", starts: "torch.Tensor", lengths: "torch.Tensor",
+                       cp_group: "Any", cp_size: int, cp_rank: int) -> "torch.Tensor":
     """``rolled`` with the last slot of each chunk set to the first element of the next chunk.
 
     Chunk firsts and lasts are indexed by sequence (static shapes); an empty sequence's index points
@@ -89,7 +95,7 @@ def _splice_neighbours(tensor, rolled, starts, lengths, cp_group, cp_size, cp_ra
     return spliced[..., :length].contiguous()
 
 
-def roll_unpacked_cp(tensor, cp_group, cp_size, cp_rank):
+def roll_unpacked_cp(tensor: "torch.Tensor", cp_group: "Any", cp_size: int, cp_rank: int) -> "torch.Tensor":
     """Unpacked rows under CP, each row one sequence whose two local chunks are the halves of the
     local row: stock's values, one all-gather over ``cp_group``; every index a Python int."""
     length = tensor.shape[-1]
@@ -105,7 +111,7 @@ def roll_unpacked_cp(tensor, cp_group, cp_size, cp_rank):
     return rolled
 
 
-def check_boundaries(real, padded, length, cp_size):
+def check_boundaries(real: "torch.Tensor", padded: "torch.Tensor", length: int, cp_size: int) -> None:
     """``MTP_OVERLAY_CHECKS=full``: the boundaries checked on the host, ValueError naming the argument."""
     real_name, padded_name = REAL, PADDED if padded is not real else REAL
     for cu, name in ((real, real_name), (padded, padded_name)):
@@ -139,6 +145,6 @@ def check_boundaries(real, padded, length, cp_size):
         )
 
 
-def _all_gather(output, tensor, group):
+def _all_gather(output: "torch.Tensor", tensor: "torch.Tensor", group: "Any") -> None:
     gather = getattr(torch.distributed, "all_gather_single", None) or torch.distributed.all_gather_into_tensor
     gather(output, tensor, group=group)
