@@ -4,9 +4,9 @@
 ``_process_embedding_token_parallel`` (wrapped) fill it in; the GPTModel/HybridModel forward hook of
 fix mtp-loss-mask calls `inject` first thing, which hands them to that language model's call when the
 call carries none. One wrapper on the language model's forward, two reasons: mtp-multimodal declares
-``requires=("mtp-loss-mask",)``. Shared by both fixes (neither imports the other: fix-to-fix imports
-follow the declarations' ``requires`` / ``reads``, `tests/contract/test_layers.py`). A ContextVar, so threads and asyncio tasks each see their own;
-nothing here touches a tensor's values (no device sync).
+``requires=("mtp-loss-mask",)``. Shared by both fixes, so neither imports the other (fix-to-fix imports
+follow the declarations' ``requires`` / ``reads``: `tests/contract/test_layers.py`). A ContextVar, so
+threads and asyncio tasks each see their own; nothing here touches a tensor's values (no device sync).
 """
 
 import contextlib

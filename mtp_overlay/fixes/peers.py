@@ -8,9 +8,10 @@ collectives than its peers, and gloo aborts on the mismatch or every rank hangs 
 So before its first collective on a group each of those fixes calls `agree`: the rank writes which of
 the collective fixes it runs (``table.COLLECTIVE``: those declared ``collective=True``) into
 torch.distributed's key-value store (the rendezvous store, not the group: a rank that lacks a fix
-cannot be asked to join one more collective) and waits for every rank of the group to do the same. Every rank that runs overlay code then compares and, where they differ, raises
-`OverlayError` naming the ranks on each side: all of them at the same point, before any mismatched
-collective. A rank that never answers (no overlay there at all) makes the others raise after
+cannot be asked to join one more collective) and waits for every rank of the group to do the same.
+Every rank that runs overlay code then compares and, where they differ, raises `OverlayError` naming
+the ranks on each side: all of them at the same point, before any mismatched collective. A rank that
+never answers (no overlay there at all) makes the others raise after
 `TIMEOUT_S`, naming it: bounded, never a hang. Once agreed, a group is not asked again: each
 collective fix's install starts afresh (`forget`), and what `agree` costs per call afterwards is a
 dict lookup (the fixes' states are not even read: call `forget` after changing which fixes run on a

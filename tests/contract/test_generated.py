@@ -69,8 +69,9 @@ def test_the_collective_fixes_are_the_declared_ones_and_read_each_other():
     assert set(table.COLLECTIVE) == {"mtp-loss-mask", "mtp-packed-roll", "mtp-cp-loss-scale"}
 
     def declared(name, reads=()):
-        return Declaration(name, summary="s", symptom="s", distribution="d", targets={"m": f"m.{name.replace('-', '_')}"},
-                           provenance=Provenance("tests"), reads=reads, collective=True)
+        return Declaration(name, summary="s", symptom="s", distribution="d",
+                           targets={"m": f"m.{name.replace('-', '_')}"}, provenance=Provenance("tests"), reads=reads,
+                           collective=True)
 
     generated.checked_references([declared("a-fix", reads=("b-fix",)), declared("b-fix", reads=("a-fix",))])
     with pytest.raises(generated.GenerationError, match=r"'b-fix' is collective: its reads must name .*\['a-fix'\]"):

@@ -220,7 +220,8 @@ class DeviceNormalizedBroadcastFix(Fix):
         functions = [getattr(path[0], path[1])] if path else [vars(module)[n] for n in PRODUCERS if n in vars(module)]
         for function in functions:
             qualname: str = getattr(function, "__qualname__", "")
-            if hasattr(function, "__code__") and Marker(module.__name__, qualname, self.marker.calls).in_function(function):
+            marker = Marker(module.__name__, qualname, self.marker.calls)
+            if hasattr(function, "__code__") and marker.in_function(function):
                 return qualname
         return None
 

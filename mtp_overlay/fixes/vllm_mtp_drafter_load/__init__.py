@@ -107,7 +107,8 @@ class drafter_refit:
         if is_drafter(model):
             self._begin, self._end, self._discard = begin_refit, end_refit, discard_refit
         elif FIX._patched(getattr(type(model), "load_weights", _no_code)):
-            from vllm.model_executor.models.utils import MTPDrafterRefits  # type: ignore[attr-defined]  # patched vLLM only
+            # a vLLM carrying the source patch only
+            from vllm.model_executor.models.utils import MTPDrafterRefits  # type: ignore[attr-defined]
 
             self._begin, self._end, self._discard = MTPDrafterRefits.begin, MTPDrafterRefits.end, MTPDrafterRefits.discard
         elif type(model).__name__ in DRAFTERS.values():

@@ -372,7 +372,8 @@ def _model_argument(args: "tuple[Any, ...]", kwargs: "dict[str, Any]") -> "Any":
     return argument(args, kwargs, 0, "model", None)
 
 
-def begin_on_reload(wrapped: "Callable[..., Any]", instance: "Any", args: "tuple[Any, ...]", kwargs: "dict[str, Any]") -> "Any":
+def begin_on_reload(wrapped: "Callable[..., Any]", instance: "Any", args: "tuple[Any, ...]",
+                    kwargs: "dict[str, Any]") -> "Any":
     """vLLM's ``initialize_layerwise_reload``: a drafter's refit begins, or a target's weights start
     being replaced (`freshness.target_reload_began`)."""
     result = wrapped(*args, **kwargs)
@@ -384,7 +385,8 @@ def begin_on_reload(wrapped: "Callable[..., Any]", instance: "Any", args: "tuple
     return result
 
 
-def end_on_reload(wrapped: "Callable[..., Any]", instance: "Any", args: "tuple[Any, ...]", kwargs: "dict[str, Any]") -> "Any":
+def end_on_reload(wrapped: "Callable[..., Any]", instance: "Any", args: "tuple[Any, ...]",
+                  kwargs: "dict[str, Any]") -> "Any":
     """vLLM's ``finalize_layerwise_reload``: the drafter's refit ends and is reported; a target model's
     reload finished (`freshness.target_reloaded`)."""
     model = _model_argument(args, kwargs)

@@ -58,7 +58,8 @@ class Freshness:
         self.due = self.reloading = False  # reloading: vLLM's layerwise reload of the target began, uncounted
         self.last: "str | None" = None
         self.engine: "str | None" = None
-        self.sessions: "str | None" = None  # "draft": the engine can; "engine cannot"; "none": the release has no draft sessions
+        # "draft": the engine can; "engine cannot"; "none": the release has no draft sessions
+        self.sessions: "str | None" = None
         self.told: "set[str | None]" = set()  # engines named in a notice
 
     @property
@@ -269,7 +270,8 @@ def _worker_record(worker: "Any") -> "Freshness | None":
     return None if runner is None else of_runner(runner)
 
 
-def on_target_session_start(wrapped: "Callable[..., Any]", instance: "Any", args: "tuple[Any, ...]", kwargs: "dict[str, Any]") -> "Any":
+def on_target_session_start(wrapped: "Callable[..., Any]", instance: "Any", args: "tuple[Any, ...]",
+                            kwargs: "dict[str, Any]") -> "Any":
     """``Worker.start_weight_update``: a stale drafter is reported before the next target refit begins."""
     record = _worker_record(instance)
     if record is not None:
@@ -279,7 +281,8 @@ def on_target_session_start(wrapped: "Callable[..., Any]", instance: "Any", args
     return wrapped(*args, **kwargs)
 
 
-def on_session_finish(wrapped: "Callable[..., Any]", instance: "Any", args: "tuple[Any, ...]", kwargs: "dict[str, Any]") -> "Any":
+def on_session_finish(wrapped: "Callable[..., Any]", instance: "Any", args: "tuple[Any, ...]",
+                      kwargs: "dict[str, Any]") -> "Any":
     """``Worker.finish_weight_update``: the end of a non-draft session is a target refit."""
     own = vars(instance)
     if own.get("_weight_update_is_draft") is True or own.get("_weight_update_active") is not True:
@@ -291,7 +294,8 @@ def on_session_finish(wrapped: "Callable[..., Any]", instance: "Any", args: "tup
     return _boundary(record, f"Worker.finish_weight_update ({record.engine})", wrapped, args, kwargs)
 
 
-def on_update_weights(wrapped: "Callable[..., Any]", instance: "Any", args: "tuple[Any, ...]", kwargs: "dict[str, Any]") -> "Any":
+def on_update_weights(wrapped: "Callable[..., Any]", instance: "Any", args: "tuple[Any, ...]",
+                      kwargs: "dict[str, Any]") -> "Any":
     """``Worker.update_weights``: a target session that raises here (one wrong-shaped tensor) ends
     there, vLLM's layerwise reload of the target begun and never finished: a target refit, since the
     target's weights were being replaced."""
@@ -305,7 +309,8 @@ def on_update_weights(wrapped: "Callable[..., Any]", instance: "Any", args: "tup
         raise
 
 
-def on_reload_weights(wrapped: "Callable[..., Any]", instance: "Any", args: "tuple[Any, ...]", kwargs: "dict[str, Any]") -> "Any":
+def on_reload_weights(wrapped: "Callable[..., Any]", instance: "Any", args: "tuple[Any, ...]",
+                      kwargs: "dict[str, Any]") -> "Any":
     """A model runner's ``reload_weights``: a target refit."""
     record = of_runner(instance)
     if record is None:
@@ -313,7 +318,8 @@ def on_reload_weights(wrapped: "Callable[..., Any]", instance: "Any", args: "tup
     return _boundary(record, f"{type(instance).__name__}.reload_weights", wrapped, args, kwargs)
 
 
-def on_execute_model(wrapped: "Callable[..., Any]", instance: "Any", args: "tuple[Any, ...]", kwargs: "dict[str, Any]") -> "Any":
+def on_execute_model(wrapped: "Callable[..., Any]", instance: "Any", args: "tuple[Any, ...]",
+                     kwargs: "dict[str, Any]") -> "Any":
     """A model runner's ``execute_model``: the first step after a target refit that left the drafter
     stale reports it. The per-step cost is the one test of `_due`."""
     if _due:
