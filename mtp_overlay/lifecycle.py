@@ -172,8 +172,9 @@ class Lifecycle:
                 if current is ours:
                     # another fix's wrapper we stacked on was taken out from inside ours since: what ours
                     # wraps now is what goes back (the saved one would put that wrapper back)
-                    spliced = isinstance(original, wrapt.BaseObjectProxy) and ours.__wrapped__ is not original
-                    setattr(owner, attribute, ours.__wrapped__ if spliced else original)
+                    now = getattr(ours, "__wrapped__", original)
+                    spliced = isinstance(original, wrapt.BaseObjectProxy) and now is not original
+                    setattr(owner, attribute, now if spliced else original)
                     continue
                 while isinstance(current, wrapt.BaseObjectProxy) and current.__wrapped__ is not ours:
                     current = current.__wrapped__

@@ -93,7 +93,7 @@ class LossMaskFix(Fix):
 
     def wrappers(self, module: "ModuleType") -> "Iterator[tuple[object, str, Callable[..., Any]]]":
         from ... import mtp
-        from ..mtp_multimodal.scope import inject  # fix mtp-multimodal's combined inputs: this same wrapper
+        from ..combined_inputs import inject  # fix mtp-multimodal's combined inputs: this same wrapper
 
         global _alignment_checked
         peers.forget()  # installed (again): its groups agree afresh, its first RL forward is checked

@@ -34,10 +34,15 @@ import torch
 from ...mtp import checks
 from ...mtp.packing import boundary_tensor, covered, per_forward, row_plan
 
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
+
 REAL, PADDED = "packed_seq_params.cu_seqlens_q", "packed_seq_params.cu_seqlens_q_padded"
 
 
-def roll_packed(tensor, cu_seqlens_q, cu_seqlens_q_padded=None, cp_group=None, cp_size=1, cp_rank=0):
+def roll_packed(tensor: "torch.Tensor", cu_seqlens_q: "torch.Tensor", cu_seqlens_q_padded: "torch.Tensor | None" = None,
+                cp_group: "Any" = None, cp_size: int = 1, cp_rank: int = 0) -> "torch.Tensor":
     """``tensor`` [..., L], a CP-local packed row, rolled left by one within its padded sequences.
 
     ``cu_seqlens_q``: the real boundaries; ``cu_seqlens_q_padded``: those the row is laid out on
@@ -73,7 +78,8 @@ class _RollPlan(NamedTuple):
     back_lasts: torch.Tensor | None
 
 
-def _plan(cu_seqlens_q, cu_seqlens_q_padded, length, cp_size, cp_rank, device):
+def _plan(cu_seqlens_q: "torch.Tensor", cu_seqlens_q_padded: "torch.Tensor | None", length: int, cp_size: int,
+          cp_rank: int, device: "torch.device") -> _RollPlan:
     plan = row_plan(cu_seqlens_q, cu_seqlens_q_padded, length, cp_size, cp_rank, device, (REAL, PADDED))
     # slot j of a run sits at place offset + j of its sequence: it keeps a value while that place has
     # a real next token (positions 0 .. L-2 of a sequence)
@@ -85,7 +91,8 @@ def _plan(cu_seqlens_q, cu_seqlens_q_padded, length, cp_size, cp_rank, device):
     return _RollPlan(cut, plan.starts.clamp(max=length - 1), lasts[0::2], lasts[1::2])
 
 
-def _splice_neighbours(tensor, rolled, plan, cp_group, cp_size, cp_rank):
+def _splice_neighbours(tensor: "torch.Tensor", rolled: "torch.Tensor", plan: "_RollPlan", cp_group: "Any",
+                       cp_size: int, cp_rank: int) -> "torch.Tensor":
     """``rolled`` with the last slot of each chunk set to the first element of the next chunk.
 
     Chunk firsts and lasts are indexed by sequence (static shapes); an empty sequence's index points
@@ -93,19 +100,21 @@ def _splice_neighbours(tensor, rolled, plan, cp_group, cp_size, cp_rank):
     the host.
     """
     length = tensor.shape[-1]
-    sent = tensor.index_select(-1, plan.firsts).contiguous()  # front, back firsts interleaved
+    firsts, front_lasts, back_lasts = plan.firsts, plan.front_lasts, plan.back_lasts
+    assert firsts is not None and front_lasts is not None and back_lasts is not None  # a CP plan has them
+    sent = tensor.index_select(-1, firsts).contiguous()  # front, back firsts interleaved
     gathered = sent.new_empty(cp_size * sent.numel())
     _all_gather(gathered, sent.view(-1), cp_group)
     gathered = gathered.view((cp_size,) + tuple(sent.shape))
     spliced = torch.cat([rolled, rolled.new_zeros(rolled.shape[:-1] + (1,))], -1)
     if cp_rank < cp_size - 1:  # front chunk r continues in chunk r + 1: rank r + 1's front chunk
-        spliced.index_copy_(-1, plan.front_lasts, gathered[cp_rank + 1][..., 0::2])
+        spliced.index_copy_(-1, front_lasts, gathered[cp_rank + 1][..., 0::2])
     if cp_rank > 0:  # back chunk 2cp-1-r continues in chunk 2cp-r: rank r - 1's back chunk
-        spliced.index_copy_(-1, plan.back_lasts, gathered[cp_rank - 1][..., 1::2])
+        spliced.index_copy_(-1, back_lasts, gathered[cp_rank - 1][..., 1::2])
     return spliced[..., :length].contiguous()
 
 
-def roll_unpacked_cp(tensor, cp_group, cp_size, cp_rank):
+def roll_unpacked_cp(tensor: "torch.Tensor", cp_group: "Any", cp_size: int, cp_rank: int) -> "torch.Tensor":
     """Unpacked rows under CP, each row one sequence whose two local chunks are the halves of the
     local row: stock's values, one all-gather over ``cp_group``; every index a Python int."""
     length = tensor.shape[-1]
@@ -121,7 +130,7 @@ def roll_unpacked_cp(tensor, cp_group, cp_size, cp_rank):
     return rolled
 
 
-def check_boundaries(real, padded, length, cp_size):
+def check_boundaries(real: "torch.Tensor", padded: "torch.Tensor", length: int, cp_size: int) -> None:
     """``MTP_OVERLAY_CHECKS=full``: the boundaries checked on the host, ValueError naming the argument."""
     real_name, padded_name = REAL, PADDED if padded is not real else REAL
     for cu, name in ((real, real_name), (padded, padded_name)):
@@ -155,6 +164,6 @@ def check_boundaries(real, padded, length, cp_size):
         )
 
 
-def _all_gather(output, tensor, group):
+def _all_gather(output: "torch.Tensor", tensor: "torch.Tensor", group: "Any") -> None:
     gather = getattr(torch.distributed, "all_gather_single", None) or torch.distributed.all_gather_into_tensor
     gather(output, tensor, group=group)

@@ -169,14 +169,14 @@ class VllmMediaPlaceholdersFix(Fix):
         apply = original(vars(processor).get(APPLY)) if processor is not None else None
         needs = {f"{PROCESSOR}.{APPLY}": apply, **{name: vars(module).get(name) for name in (PLAN, MATCHES)}}
         missing = [name for name, found in needs.items() if not callable(found)]
-        if missing:
+        if missing or apply is None:
             return drifted(f"{module.__name__} defines no {', '.join(missing)}")
         parameters = list(inspect.signature(apply).parameters)
         if parameters[:3] != ["self", "mm_items", "mm_res"]:
             return drifted(f"{PROCESSOR}.{APPLY}{tuple(parameters)} does not take self, mm_items, mm_res first")
         from vllm.exceptions import VLLMValidationError
 
-        bare = object.__new__(type("SurplusProbe", (processor,), dict.fromkeys(processor.__abstractmethods__)))
+        bare: "Any" = object.__new__(type("SurplusProbe", (processor,), dict.fromkeys(processor.__abstractmethods__)))
         update = module.ResolvedPromptUpdate("image", 0, module.UpdateMode.REPLACE, [7],
                                              module.PromptUpdateDetails.from_seq([7, 7, 7]))
         result = module.MultiModalProcessingResult([7, 1, 7], {"image": [None]}, {}, {"image": [[update]]})

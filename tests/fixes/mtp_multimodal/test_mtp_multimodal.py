@@ -524,7 +524,8 @@ def test_combined_layout_waits_for_no_device_value(monkeypatch):
     ``.item()``, ``.tolist()``, ``bool()``, ``.nonzero()`` and no boolean-mask indexing on the way."""
     import types
 
-    from mtp_overlay.fixes.mtp_multimodal import llava, scope
+    from mtp_overlay.fixes import combined_inputs
+    from mtp_overlay.fixes.mtp_multimodal import llava
 
     def refuse(*args, **kwargs):
         raise AssertionError("a host read of a tensor value (a device sync)")
@@ -547,7 +548,7 @@ def test_combined_layout_waits_for_no_device_value(monkeypatch):
     for name in ("item", "tolist", "__bool__", "nonzero", "any", "all"):
         monkeypatch.setattr(torch.Tensor, name, refuse)
     monkeypatch.setattr(torch.Tensor, "__getitem__", indexed)
-    state = scope.Combined(None)
+    state = combined_inputs.Combined(None)
     embeddings = torch.zeros(22, 2, 8)  # [S, b, h]: the combined length, 2 samples, as _preprocess_data returns it
     llava.build(model, state, (embeddings, None, None), arguments.get)
     llava.shard(llava, model, state, None)
