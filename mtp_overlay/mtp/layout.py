@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from typing import TYPE_CHECKING, Any
 
 from .checks import device_assert, full
 from .mask import _shape, check_weights, unwrap_model
@@ -37,8 +36,10 @@ from .packing import (
     slot_geometry,
 )
 
+TYPE_CHECKING = False
 if TYPE_CHECKING:  # annotations only: torch and megatron load inside the functions
     from collections.abc import Iterator
+    from typing import Any
 
     import torch
     from megatron.core.packed_seq_params import PackedSeqParams

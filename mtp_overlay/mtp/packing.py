@@ -12,11 +12,12 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 from .checks import device_assert
 from .mask import _shape, check_weights
 
+TYPE_CHECKING = False
 if TYPE_CHECKING:  # annotations only: torch and megatron load inside the functions
     import torch
     from megatron.core.packed_seq_params import PackedSeqParams

@@ -54,8 +54,9 @@ from __future__ import annotations
 
 import math
 import re
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
+TYPE_CHECKING = False
 if TYPE_CHECKING:  # annotations only: torch loads inside the functions
     from collections.abc import Callable, Iterable, Iterator
     from typing import TypeAlias
