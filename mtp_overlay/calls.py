@@ -64,4 +64,5 @@ def positions(function: "Callable[..., Any]", *, method: bool = False) -> "dict[
 def original(function: "Callable[..., Any]") -> "Callable[..., Any]":
     """``function`` as upstream defined it: every wrapper that names what it wraps (``__wrapped__``:
     wrapt's, functools.wraps') looked through."""
-    return inspect.unwrap(function)
+    unwrapped: "Callable[..., Any]" = inspect.unwrap(function)
+    return unwrapped

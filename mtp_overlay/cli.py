@@ -15,7 +15,7 @@ from .patching import command as patch_command
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
-    from typing import TextIO
+    from typing import Any, TextIO
 
     from .contract import FixStatus
 
@@ -23,7 +23,7 @@ STATUS_COLUMNS = ["name", "distribution", "version", "state", "patched", "reason
 CHECK_COLUMNS = ["name", "distribution", "version", "verdict", "probed", "patched", "reason"]
 
 
-def print_table(rows: "list[dict[str, object]]", columns: "list[str]", verbose: bool = False) -> None:
+def print_table(rows: "list[dict[str, Any]]", columns: "list[str]", verbose: bool = False) -> None:
     """One line per row; ``verbose``: then one indented line per target module of a `check` row."""
     widths = [max(len(str(row.get(c, ""))) for row in rows + [{c: c for c in columns}]) for c in columns]
     print("  ".join(c.upper().ljust(w) for c, w in zip(columns, widths)).rstrip())
@@ -101,7 +101,8 @@ def _stdout_to_stderr() -> "Iterator[None]":
 def _demo(args: argparse.Namespace) -> int:
     from .bed.engines import demo  # the test bed, reached only from this command
 
-    return demo.main()
+    code: int = demo.main()
+    return code
 
 
 def _verify(args: argparse.Namespace) -> int:
@@ -291,7 +292,7 @@ class _ReaderMayLeave:
 def main(argv: "list[str] | None" = None) -> int:
     args = build_parser().parse_args(argv)
     stdout = sys.stdout
-    sys.stdout = output = _ReaderMayLeave(stdout)  # type: ignore[assignment]
+    sys.stdout = output = _ReaderMayLeave(stdout)
     try:
         code: int = args.run(args)
         output.flush()  # inside the command: a reader gone before the last bytes is still no failure

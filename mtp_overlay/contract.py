@@ -198,15 +198,18 @@ class Declaration:
     ``requires``: fix ids this fix cannot work without (install checks them: one disabled makes this
     fix `State.FAILED`). ``reads``: fix ids whose state this fix's hooks consult (`Fix.peer_state`).
     ``after``: fix ids installed before this one because both wrap one attribute and this fix's
-    wrapper must sit outside theirs (the table's order).
+    wrapper must sit outside theirs (the table's order). ``collective``: the fix's hooks issue collectives
+    on the model's process groups where stock issues others, so every rank of a group must run it
+    (`mtp_overlay.fixes.peers` checks; the table's ``COLLECTIVE``).
     """
 
     __slots__ = ("name", "summary", "symptom", "distribution", "_targets", "families", "provenance", "marker",
-                 "requires", "reads", "after")
+                 "requires", "reads", "after", "collective")
 
     def __init__(self, name: str, *, summary: str, symptom: str, distribution: str, targets: "Mapping[str, str]",
                  provenance: Provenance, families: "Mapping[str, str] | None" = None, marker: "Marker | None" = None,
-                 requires: "tuple[str, ...]" = (), reads: "tuple[str, ...]" = (), after: "tuple[str, ...]" = ()) -> None:
+                 requires: "tuple[str, ...]" = (), reads: "tuple[str, ...]" = (), after: "tuple[str, ...]" = (),
+                 collective: bool = False) -> None:
         if not isinstance(name, str) or not FIX_ID.fullmatch(name):
             raise ValueError(f"Declaration(name=...) must be a fix id (lowercase words joined by '-'), got {name!r}")
         where = f"Declaration({name!r})"
@@ -227,11 +230,13 @@ class Declaration:
         for field, ids in (("requires", requires), ("reads", reads), ("after", after)):
             if not isinstance(ids, tuple) or not all(isinstance(i, str) and FIX_ID.fullmatch(i) for i in ids) or name in ids:
                 raise ValueError(f"{where}: {field} must be a tuple of other fixes' ids, got {ids!r}")
+        if not isinstance(collective, bool):
+            raise TypeError(f"{where}: collective must be a bool, got {collective!r}")
         self.name, self.summary, self.symptom, self.distribution = name, summary, symptom, distribution
         self._targets = pairs
         self.families = dict(families or {})
         self.provenance, self.marker = provenance, marker
-        self.requires, self.reads, self.after = requires, reads, after
+        self.requires, self.reads, self.after, self.collective = requires, reads, after, collective
 
     @property
     def targets(self) -> "dict[str, str]":

@@ -17,15 +17,24 @@ another thread is still importing is handed over once that import has finished.
 import sys
 from _thread import RLock, start_new_thread
 
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+    from importlib.machinery import ModuleSpec
+    from types import ModuleType
+    from typing import Any
+
+    Callback = Callable[[ModuleType], object]  # may carry ``failed(name, error)``
+
 _lock = RLock()
-_callbacks = {}  # module name -> callbacks still waiting for its import
-_watched = frozenset()  # what the trigger wakes on: waiting names and their top packages
-_armed = set()  # names whose dispatcher wrapt holds
+_callbacks: "dict[str, list[Callback]]" = {}  # module name -> callbacks still waiting for its import
+_watched: "frozenset[str]" = frozenset()  # what the trigger wakes on: waiting names and their top packages
+_armed: "set[str]" = set()  # names whose dispatcher wrapt holds
 _handed_over = False
-_broken = None  # the ImportError of wrapt, once the hand-over found it missing
+_broken: "ImportError | None" = None  # the ImportError of wrapt, once the hand-over found it missing
 
 
-def when_imported(name, callback):
+def when_imported(name: str, callback: "Callback") -> bool:
     """Call ``callback(module)`` once module ``name`` is imported; at once if it already is.
 
     Returns True when the module was already imported, or being imported (a late install).
@@ -49,7 +58,7 @@ def when_imported(name, callback):
     return True
 
 
-def cancel(name, callback):
+def cancel(name: str, callback: "Callback") -> None:
     """Forget a callback that has not fired yet."""
     with _lock:
         waiting = _callbacks.get(name, [])
@@ -60,13 +69,13 @@ def cancel(name, callback):
         _watch()
 
 
-def waiting():
+def waiting() -> "list[str]":
     """Names of modules with callbacks still waiting (for tests and status)."""
     with _lock:
         return sorted(_callbacks)
 
 
-def _after_import(name, callback):
+def _after_import(name: str, callback: "Callback") -> None:
     """Wait for the import of ``name`` in progress elsewhere (the import system blocks a second
     importer until the first has finished), then run ``callback`` on the finished module."""
     import importlib
@@ -78,12 +87,12 @@ def _after_import(name, callback):
     callback(module)
 
 
-def _watch():
+def _watch() -> None:
     global _watched
     _watched = frozenset(_callbacks) | {name.partition(".")[0] for name in _callbacks}
 
 
-def _dispatch(module):
+def _dispatch(module: "ModuleType") -> None:
     with _lock:
         callbacks = _callbacks.pop(module.__name__, [])
         _armed.discard(module.__name__)
@@ -92,7 +101,7 @@ def _dispatch(module):
         callback(module)
 
 
-def _arm(name):
+def _arm(name: str) -> None:
     if _handed_over:
         if name not in _armed:
             import wrapt
@@ -103,7 +112,7 @@ def _arm(name):
         sys.meta_path.insert(0, _TRIGGER)
 
 
-def _hand_over():
+def _hand_over() -> "Any":
     """Give every waiting module to wrapt; return wrapt's finder (None if nothing was waiting)."""
     global _handed_over
     try:
@@ -120,7 +129,7 @@ def _hand_over():
     return next((f for f in sys.meta_path if isinstance(f, wrapt.importer.ImportHookFinder)), None)
 
 
-def _step_aside(error):
+def _step_aside(error: ImportError) -> None:
     """wrapt cannot be imported: take the trigger off, tell every waiting callback, warn once."""
     global _broken
     with _lock:
@@ -143,7 +152,7 @@ def _step_aside(error):
         _tell_failed(name, callbacks, error)
 
 
-def _tell_failed(name, callbacks, error):
+def _tell_failed(name: str, callbacks: "Sequence[Callback]", error: ImportError) -> None:
     for callback in callbacks:
         failed = getattr(callback, "failed", None)
         if failed is not None:
@@ -153,7 +162,8 @@ def _tell_failed(name, callbacks, error):
 class _ImportTrigger:
     """Meta-path finder that wakes on the first lookup of a waiting module or its top package."""
 
-    def find_spec(self, fullname, path=None, target=None):
+    def find_spec(self, fullname: str, path: "Sequence[str] | None" = None,
+                  target: "ModuleType | None" = None) -> "ModuleSpec | None":
         if _handed_over or fullname not in _watched:
             return None
         finder = _hand_over()

@@ -170,7 +170,11 @@ class Lifecycle:
                 original, ours = self._originals.pop(key)
                 current = vars(owner).get(attribute)
                 if current is ours:
-                    setattr(owner, attribute, original)
+                    # another fix's wrapper we stacked on was taken out from inside ours since: what ours
+                    # wraps now is what goes back (the saved one would put that wrapper back)
+                    now = getattr(ours, "__wrapped__", original)
+                    spliced = isinstance(original, wrapt.BaseObjectProxy) and now is not original
+                    setattr(owner, attribute, now if spliced else original)
                     continue
                 while isinstance(current, wrapt.BaseObjectProxy) and current.__wrapped__ is not ours:
                     current = current.__wrapped__

@@ -272,7 +272,7 @@ def check(only: "str | Iterable[str] | None" = None, *,
                                 verdict=State.ABSENT)
             else:
                 probes = [_probe_target(found, target, imports) for target in found.targets]
-                verdicts = [probe for probe in probes if probe[1] is not None]
+                verdicts = [(target, v, how) for target, v, how in probes if v is not None]
                 if not verdicts:
                     missing = drifted("no target module exists in this release")
                     verdicts.append((", ".join(found.targets), missing, None))

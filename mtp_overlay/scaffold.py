@@ -25,7 +25,8 @@ DECLARATION = '''"""{name}: what it targets, where it comes from, which releases
 
 from mtp_overlay.contract import Declaration, Provenance
 
-# add families=, marker=, requires=, reads=, after= as the fix needs them (mtp_overlay.contract.Declaration)
+# add families=, marker=, requires=, reads=, after=, collective= as the fix needs them
+# (mtp_overlay.contract.Declaration)
 DECLARATION = Declaration(
     {fix_id},
     summary={summary},

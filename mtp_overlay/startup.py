@@ -13,11 +13,21 @@ import sysconfig
 import tempfile
 from pathlib import Path
 
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    import argparse
+    from typing import Any, TypedDict
+
+    class HookStatus(TypedDict):
+        installed: bool
+        current: bool
+        path: str
+
 PTH_NAME = "mtp_overlay_startup.pth"
 PTH_TEXT = Path(__file__).with_name("startup.pth").read_text(encoding="utf-8")
 
 
-def site_packages_dir(site_packages=None):
+def site_packages_dir(site_packages: "str | os.PathLike[str] | None" = None) -> str:
     """``site_packages`` as an absolute path (it must be an existing directory), or this interpreter's."""
     if site_packages is None:
         return sysconfig.get_paths()["purelib"]
@@ -27,7 +37,7 @@ def site_packages_dir(site_packages=None):
     return os.path.abspath(folder)
 
 
-def status(site_packages=None):
+def status(site_packages: "str | os.PathLike[str] | None" = None) -> "HookStatus":
     """``{"installed", "current", "path"}``: is our .pth there, does it hold this version's text, where."""
     path = os.path.join(site_packages_dir(site_packages), PTH_NAME)
     try:
@@ -38,7 +48,7 @@ def status(site_packages=None):
     return {"installed": True, "current": text == PTH_TEXT, "path": path}
 
 
-def install(site_packages=None):
+def install(site_packages: "str | os.PathLike[str] | None" = None) -> str:
     """Write the .pth file and return its path; an up-to-date file is left untouched.
 
     Written to a temporary name (which site.py ignores) and renamed, so an interpreter starting
@@ -60,7 +70,7 @@ def install(site_packages=None):
     return found["path"]
 
 
-def uninstall(site_packages=None):
+def uninstall(site_packages: "str | os.PathLike[str] | None" = None) -> "str | None":
     """Remove the .pth file; return its path, or None when there was none."""
     path = status(site_packages)["path"]
     try:
@@ -70,7 +80,7 @@ def uninstall(site_packages=None):
     return path
 
 
-def add_parser(commands):
+def add_parser(commands: "argparse._SubParsersAction[Any]") -> None:
     """``mtp-overlay startup-hook install|uninstall|status [--site-packages DIR]``."""
     parser = commands.add_parser("startup-hook", help="the .pth file that imports the overlay in every interpreter")
     parser.add_argument("action", choices=["install", "uninstall", "status"])
@@ -78,7 +88,7 @@ def add_parser(commands):
     parser.set_defaults(run=_command)
 
 
-def _command(args):
+def _command(args: "argparse.Namespace") -> int:
     try:
         if args.action == "install":
             print(f"installed: {install(args.site_packages)}")

@@ -6,11 +6,12 @@ adds an all-reduce there, mtp-loss-mask's first RL forward one more: a rank with
 collectives than its peers, and gloo aborts on the mismatch or every rank hangs until killed.
 
 So before its first collective on a group each of those fixes calls `agree`: the rank writes which of
-`COLLECTIVE` it runs into torch.distributed's key-value store (the rendezvous store, not the group:
-a rank that lacks a fix cannot be asked to join one more collective) and waits for every rank of the
-group to do the same. Every rank that runs overlay code then compares and, where they differ, raises
-`OverlayError` naming the ranks on each side: all of them at the same point, before any mismatched
-collective. A rank that never answers (no overlay there at all) makes the others raise after
+the collective fixes it runs (``table.COLLECTIVE``: those declared ``collective=True``) into
+torch.distributed's key-value store (the rendezvous store, not the group: a rank that lacks a fix
+cannot be asked to join one more collective) and waits for every rank of the group to do the same.
+Every rank that runs overlay code then compares and, where they differ, raises `OverlayError` naming
+the ranks on each side: all of them at the same point, before any mismatched collective. A rank that
+never answers (no overlay there at all) makes the others raise after
 `TIMEOUT_S`, naming it: bounded, never a hang. Once agreed, a group is not asked again: each
 collective fix's install starts afresh (`forget`), and what `agree` costs per call afterwards is a
 dict lookup (the fixes' states are not even read: call `forget` after changing which fixes run on a
@@ -20,6 +21,7 @@ rank otherwise than by installing one).
 import json
 import threading
 
+from .. import table
 from ..contract import OverlayError, State
 
 TYPE_CHECKING = False
@@ -28,8 +30,6 @@ if TYPE_CHECKING:
 
     from . import Fix
 
-# the fixes whose hooks issue collectives on the model's groups (their declarations read each other)
-COLLECTIVE = ("mtp-loss-mask", "mtp-packed-roll", "mtp-cp-loss-scale")
 ACTIVE = (State.INSTALLED, State.REDUNDANT)  # the fix's collectives run (a patched release runs them too)
 TIMEOUT_S = 60.0  # how long a rank waits for its peers' answers
 PREFIX = "mtp-overlay/peers"
@@ -41,9 +41,9 @@ _settled: "dict[int, Any]" = {}  # id(group) -> the group, agreed on since the l
 
 
 def active(fix: "Fix") -> "tuple[bool, ...]":
-    """Which of `COLLECTIVE` run in this process (in that order), as ``fix`` reads their states."""
+    """Which of ``table.COLLECTIVE`` run in this process (in that order), as ``fix`` reads their states."""
     states = []
-    for name in COLLECTIVE:
+    for name in table.COLLECTIVE:
         state = fix.lifecycle.state()[0] if name == fix.name else fix.peer_state(name)[0]
         states.append(state in ACTIVE)
     return tuple(states)
@@ -70,7 +70,7 @@ def agree(fix: "Fix", group: "Any") -> None:
         rows = "; ".join(
             f"{name} on ranks {[r for r, a in sorted(answers.items()) if a[i]]}, not on "
             f"{[r for r, a in sorted(answers.items()) if not a[i]]}"
-            for i, name in enumerate(COLLECTIVE) if len({a[i] for a in answers.values()}) > 1
+            for i, name in enumerate(table.COLLECTIVE) if len({a[i] for a in answers.values()}) > 1
         )
         raise OverlayError(
             f"mtp-overlay fix {fix.name!r}: the ranks {list(ranks)} of one group run different collective fixes "

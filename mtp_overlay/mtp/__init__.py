@@ -90,14 +90,16 @@ Metrics (``metrics``)
     acceptance_gap(train_metrics, rollout_metrics) -> {"acceptance_gap_1": train - rollout, depth 1}
 
 Refit freshness (``refit``)
-    fingerprint(named_tensors, keep=None, dtype=None) -> {name: TensorDigest(shape, dtype, size, checksum)}
-        Per-tensor checksums on the tensors' own devices (two polynomial hashes of their bytes, order-
-        sensitive across the whole tensor, exact integers: equal bytes give equal digests on any device;
-        any change to one element of up to 4 bytes is caught; what is guaranteed: ``refit``'s docstring;
-        ``dtype`` casts first, for a bf16 wire).
+    fingerprint(named_tensors, keep=None, dtype=None) -> {name: TensorDigest(shape, dtype, size, checksum, format)}
+        Per-tensor checksums on the tensors' own devices (format 2: two reductions over the bytes, the
+        row and column sums of their 64-bit words, then two polynomial hashes of each, all tensors of
+        a device in one batch; order-sensitive across the whole tensor, exact integers: equal bytes
+        give equal digests on any device; any change to one element of up to 4 bytes is caught; what
+        is guaranteed: ``refit``'s docstring; ``dtype`` casts first, for a bf16 wire).
     record_fingerprints(named_tensors, into, keep=None, dtype=None)  (generator: pairs unchanged)
         The receiving side: wrap what the drafter's load_weights consumes.
     compare_fingerprints(expected, received) -> {name: why}; check_fresh(...) raises StaleDrafterError
+        A digest of another format (an older mtp-overlay's) is a ValueError, never compared.
     mtp_layer_of(name, num_hidden_layers, num_mtp_layers) -> ("mtp.*" | "positional", layer) | None
     mtp_name_filter(num_hidden_layers, num_mtp_layers) -> predicate (keep= of fingerprint)
 

@@ -29,10 +29,10 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import TYPE_CHECKING
 
 from ..contract import OverlayWarning
 
+TYPE_CHECKING = False
 if TYPE_CHECKING:  # annotations only: torch loads inside the functions
     import torch
 

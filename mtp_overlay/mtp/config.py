@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, TypeVar
 
 from ..contract import distribution_version
 
+TYPE_CHECKING = False
 if TYPE_CHECKING:  # annotations only: megatron loads inside the functions
+    from typing import TypeVar
+
     from megatron.core.transformer import TransformerConfig
 
     Config = TypeVar("Config", bound=TransformerConfig)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from typing import TYPE_CHECKING, Any
 
 from .checks import device_assert, full
 from .mask import _shape, check_weights, unwrap_model
@@ -33,11 +32,14 @@ from .packing import (
     covered,
     cp_local_indices,
     cp_shard,
+    row_plan,
     slot_geometry,
 )
 
+TYPE_CHECKING = False
 if TYPE_CHECKING:  # annotations only: torch and megatron load inside the functions
     from collections.abc import Iterator
+    from typing import Any
 
     import torch
     from megatron.core.packed_seq_params import PackedSeqParams
@@ -200,29 +202,20 @@ def assert_loss_mask_layout(
     import torch
 
     _check_layout_arguments(input_ids, loss_mask, packed_seq_params, cp_size, cp_rank)
-    if loss_mask.dtype != torch.bool:
-        valid = (loss_mask >= 0).all()
-        if loss_mask.is_floating_point():
-            valid &= torch.isfinite(loss_mask).all()
+    if loss_mask.dtype != torch.bool and loss_mask.numel():
+        if loss_mask.is_floating_point():  # one read of the mask: NaN makes both extremes NaN, so both tests False
+            least, most = torch.aminmax(loss_mask)
+            valid = (least >= 0) & (most < float("inf"))
+        else:
+            valid = loss_mask.min() >= 0
         device_assert(valid, "loss_mask must hold finite weights >= 0")
     if packed_seq_params is None:
         return
-    length, device = input_ids.shape[-1], input_ids.device
-    real = boundary_tensor(packed_seq_params.cu_seqlens_q, "packed_seq_params.cu_seqlens_q", device)
-    padded_cu = packed_seq_params.cu_seqlens_q_padded
-    padded = real if padded_cu is None else boundary_tensor(padded_cu, "packed_seq_params.cu_seqlens_q_padded", device)
-    if padded.shape != real.shape:
-        raise ValueError(
-            f"packed_seq_params: cu_seqlens_q has {real.numel()} entries but cu_seqlens_q_padded {padded.numel()}: "
-            "both must be [n+1]"
-        )
-    assert_boundaries(padded, length, cp_size, "packed_seq_params.cu_seqlens_q_padded", None if padded_cu is None else real)
-    starts, lengths, offsets = chunk_runs(padded, cp_size, cp_rank)
-    real_lengths = real[1:] - real[:-1]
-    if cp_size > 1:
-        real_lengths = torch.stack([real_lengths, real_lengths], 1).flatten()
-    tokens = torch.minimum((real_lengths - offsets).clamp(min=0), lengths)  # each run's real slots come first
-    padding = ~covered(starts, tokens, length)
+    length = input_ids.shape[-1]
+    plan = row_plan(packed_seq_params.cu_seqlens_q, packed_seq_params.cu_seqlens_q_padded, length, cp_size, cp_rank,
+                    input_ids.device, ("packed_seq_params.cu_seqlens_q", "packed_seq_params.cu_seqlens_q_padded"))
+    tokens = torch.minimum((plan.real_lengths - plan.offsets).clamp(min=0), plan.lengths)  # each run's real slots come first
+    padding = ~covered(plan.starts, tokens, length)
     device_assert(~((loss_mask != 0) & padding).any(), f"loss_mask is nonzero in a padding slot (cp rank {cp_rank}/{cp_size})")
 
 

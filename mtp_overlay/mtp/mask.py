@@ -9,10 +9,9 @@ self-packing VLM recipes (NeMo-RL issue #2869).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
-
+TYPE_CHECKING = False
 if TYPE_CHECKING:  # annotations only: torch and megatron load inside the functions
-    from typing import TypeAlias
+    from typing import Any, TypeAlias
 
     import torch
     from megatron.core.transformer import TransformerConfig

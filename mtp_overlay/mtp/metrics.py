@@ -10,8 +10,7 @@ showed up only as "acceptance is low". Names follow NeMo-RL's ``mtp/`` conventio
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+TYPE_CHECKING = False
 if TYPE_CHECKING:  # annotations only
     from collections.abc import Mapping, Sequence
     from typing import Protocol, TypeAlias, TypeVar

@@ -9,12 +9,15 @@ sequence is cut into ``2 * cp_size`` chunks and rank r keeps chunks r and ``2 * 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, NamedTuple
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NamedTuple
 
 from .checks import device_assert
 from .mask import _shape, check_weights
 
+TYPE_CHECKING = False
 if TYPE_CHECKING:  # annotations only: torch and megatron load inside the functions
     import torch
     from megatron.core.packed_seq_params import PackedSeqParams
@@ -266,20 +269,100 @@ def assert_boundaries(
     cu: torch.Tensor, local_length: int, cp_size: int, name: str, real: torch.Tensor | None = None,
     real_name: str = "cu_seqlens_q",
 ) -> None:
-    """Queue the device-side checks (`mtp_overlay.mtp.checks.device_assert`, no host read) that ``cu`` (int64 [n+1],
-    the padded boundaries) lays out a CP-local row of ``local_length`` slots: starts at 0, never
-    decreases, each length a multiple of 2*cp_size under CP, ends at local_length * cp_size; and,
-    given ``real`` (int64, same shape), that it starts at 0, never decreases and fits in ``cu``."""
+    """Queue the device-side check (`mtp_overlay.mtp.checks.device_assert`, one assert, no host read) that
+    ``cu`` (int64 [n+1], the padded boundaries) lays out a CP-local row of ``local_length`` slots:
+    starts at 0, never decreases, each length a multiple of 2*cp_size under CP, ends at
+    local_length * cp_size; and, given ``real`` (int64, same shape), that it starts at 0, never
+    decreases and fits in ``cu``."""
     lengths = cu[1:] - cu[:-1]
-    valid = (cu[0] == 0) & (lengths >= 0).all() & (cu[-1] == local_length * cp_size)
+    valid = (cu[0] == 0) & (cu[-1] == local_length * cp_size)
+    bad = lengths < 0
     if cp_size > 1:
-        valid &= (lengths % (2 * cp_size) == 0).all()
+        bad |= lengths % (2 * cp_size) != 0
     rule = f", lengths multiples of {2 * cp_size}" if cp_size > 1 else ""
-    device_assert(valid, f"{_short(name)}: start 0, never decrease{rule}, end {local_length * cp_size}")
+    message = f"{_short(name)}: start 0, never decrease{rule}, end {local_length * cp_size}"
     if real is not None:
         real_lengths = real[1:] - real[:-1]
-        fits = (real[0] == 0) & (real_lengths >= 0).all() & (real_lengths <= lengths).all()
-        device_assert(fits, f"{_short(real_name)}: start 0, never decrease, each length <= {_short(name)}'s")
+        valid &= real[0] == 0
+        bad |= (real_lengths < 0) | (real_lengths > lengths)
+        message += f"; {_short(real_name)}: start 0, never decrease, lengths <= those"
+    device_assert(valid & ~bad.any(), message)
+
+
+class RowPlan(NamedTuple):
+    """What a CP-local packed row's boundaries say (`row_plan`), int64 on the row's device.
+
+    real, padded: the boundaries ([n+1]); starts, lengths, offsets: the row's runs (`chunk_runs`);
+    real_lengths: the real length of each run's sequence (per run).
+    """
+
+    real: torch.Tensor
+    padded: torch.Tensor
+    starts: torch.Tensor
+    lengths: torch.Tensor
+    offsets: torch.Tensor
+    real_lengths: torch.Tensor
+
+
+_FORWARD: contextvars.ContextVar[dict[Any, Any] | None] = contextvars.ContextVar("mtp_overlay_forward", default=None)
+
+
+@contextlib.contextmanager
+def forward_scope() -> Iterator[None]:
+    """One model forward: what `per_forward` works out from its packed boundaries (the rolls' plan,
+    the boundaries' checks) is worked out once in it and shared by every roll of every MTP depth and
+    by the checks, then dropped. Outside a scope nothing is kept: each call works it out anew."""
+    token = _FORWARD.set({})
+    try:
+        yield
+    finally:
+        _FORWARD.reset(token)
+
+
+def per_forward(key: tuple[Any, ...], inputs: tuple[Any, ...], build: Callable[[], Any]) -> Any:
+    """``build()``, once per `forward_scope` for the same ``key`` and the same ``inputs`` objects (by
+    identity: within one forward Megatron hands every roll the same boundary tensors); outside a
+    scope, every time."""
+    memo = _FORWARD.get()
+    if memo is None:
+        return build()
+    key = key + tuple(id(value) for value in inputs)
+    found = memo.get(key)
+    if found is None:
+        found = memo[key] = (build(), inputs)  # the inputs held: their ids stay theirs in the scope
+    return found[0]
+
+
+def row_plan(
+    cu_seqlens_q: torch.Tensor | Sequence[int], cu_seqlens_q_padded: torch.Tensor | Sequence[int] | None,
+    length: int, cp_size: int, cp_rank: int, device: torch.device, names: tuple[str, str],
+) -> RowPlan:
+    """The `RowPlan` of a CP-local packed row of ``length`` slots, its boundaries checked on the
+    device (`assert_boundaries`, one assert), once per `forward_scope`. ``names``: the real and the
+    padded boundaries' argument names (ValueError naming them on a wrong dtype or shape)."""
+
+    def build() -> RowPlan:
+        import torch
+
+        real = boundary_tensor(cu_seqlens_q, names[0], device)
+        padded = real if cu_seqlens_q_padded is None else boundary_tensor(cu_seqlens_q_padded, names[1], device)
+        if padded.numel() != real.numel():
+            shorter = "shorter than" if padded.numel() < real.numel() else "longer than"
+            raise ValueError(
+                f"{names[1]} has {padded.numel()} entries, {shorter} {_short(names[0])} ({real.numel()}): both must be "
+                "[n+1], one start per packed sequence plus the end"
+            )
+        assert_boundaries(padded, length, cp_size, names[1] if cu_seqlens_q_padded is not None else names[0],
+                          None if cu_seqlens_q_padded is None else real, names[0])
+        starts, lengths, offsets = chunk_runs(padded, cp_size, cp_rank)
+        real_lengths = real[1:] - real[:-1]
+        if cp_size > 1:
+            real_lengths = torch.stack([real_lengths, real_lengths], 1).flatten()
+        return RowPlan(real, padded, starts, lengths, offsets, real_lengths)
+
+    plan: RowPlan = per_forward(("row", length, cp_size, cp_rank, str(device)), (cu_seqlens_q, cu_seqlens_q_padded),
+                                build)
+    return plan
 
 
 def _short(name: str) -> str:

@@ -11,41 +11,52 @@ tensors the rollout worker receives (the stream its drafter's ``load_weights`` c
 `check_fresh`. A stale drafter (refit never reached it, or reached it with old tensors) names its
 tensors instead of showing up weeks later as "acceptance is low".
 
-Checksum (`tensor_checksum`): 16 bytes per tensor, computed on the tensor's own device with exact
-integer arithmetic, so the same bytes give the same checksum on any device (CPU, CUDA, any index) and
-after any transport. The tensor's bytes, in logical order, are read as 16-bit words
-``w_i = byte[2i] + 256 * byte[2i+1]`` (an odd last byte is a word of its own), and the checksum is
-the pair of polynomial hashes ``sum_i w_i * r^i mod p`` for two primes ``p`` below 2**31, each with
-a base ``r`` that is a primitive root of it (`_MODULI`). Every word has its own weights across the
-whole tensor: the pair ``(r1^i, r2^i)`` repeats only after ``lcm(p1 - 1, p2 - 1)`` (over 2**57)
-words. Different dtypes are different
-bytes: pass ``dtype=`` to compare a trainer's fp32 tensors with a bf16 wire (the cast rounds to
-nearest-even, the same on every device). Together with the digest's shape, dtype and size it
-guarantees, for two tensors of one shape and dtype, that the checksums differ when:
-
-- any bytes within one aligned 4-byte group differ: any change to one element of 1, 2 or 4 bytes
-  (float32, bfloat16, float16, int32, int8, float8, bool), a byte, a bit. One word's change ``d``
-  changes a hash by ``d * r^i``, never 0 mod p; two words' ``d0 + d1 * r`` vanish mod p1 for 4
-  pairs ``(d0, d1)`` and mod p2 for 4 others, never for the same one (checked exhaustively by the tests);
-- two unequal elements of 4 bytes trade places less than ``(p2 - 1) / 2 = 1073741814`` elements
-  apart (anywhere in a float32 tensor of up to that many elements, just under 4 GiB); two unequal
-  elements of 2 bytes, less than ``lcm(p1 - 1, p2 - 1)`` elements apart. The change is
-  ``r^a - r^b`` times one element's difference, and ``r^t = 1 mod p`` only at multiples of ``p - 1``.
+Checksum (`tensor_checksum`, format 2): four exact integers per tensor, computed on the tensor's own
+device in two reductions over its bytes (each a read of the tensor at memory speed, with no
+arithmetic but the sum), so the same bytes give the same checksum on any device (CPU, CUDA, any
+index) and after any transport. The tensor's bytes, in logical order, are read as little-endian
+signed 64-bit words ``w_0 .. w_(m-1)`` (up to 7 bytes left over, zero-padded, are one more word
+at the end of ``a`` and of ``b``).
+The first ``R * C`` words form an ``R x C`` matrix (``C``: the least integer >= 16 with ``C * C >=
+m``, ``R = m // C``), the rest are the tail. ``a``: the row sums; ``b``: the column sums, then the
+tail words and the left-over word one by one. Two words of the matrix share a row and a column only
+if they are one. Sums wrap modulo 2**64 (integer addition is
+associative modulo 2**64, so every device and every order of summation gives the same words) and
+are read as signed 64-bit integers. The checksum is ``(H1(a), H2(a), H1(b), H2(b))`` with the
+polynomial hashes ``Hk(v) = sum_i v_i * r_k^i mod p_k`` for two primes ``p_k`` below 2**31, each
+``r_k`` a primitive root of ``p_k`` (`_MODULI`); the hashes of all tensors on a device are taken in
+one batch (a handful of kernels over about ``2 * sqrt(m)`` values per tensor). Different dtypes are
+different bytes: pass ``dtype=`` to compare a trainer's fp32 tensors with a bf16 wire (the cast
+rounds to nearest-even, the same on every device). Together with the digest's
+shape, dtype and size it guarantees, for two tensors of one shape and dtype, that the checksums
+differ when one element of 1, 2 or 4 bytes (float32, bfloat16, float16, int32, int8, float8, bool),
+a byte or a bit changes: its word changes by ``e * 2**(8 * k)`` (``k`` the byte it starts at,
+``0 < |e| < min(2**32, 2**(64 - 8 * k))``), one value of ``a`` (and one of ``b``) by ``D = e *
+2**(8 * k) + j * 2**64`` (``j`` in -1, 0, 1: a wrap) and its hash by ``D * r^i``, 0 modulo both
+primes only when ``p1 * p2`` divides ``D``, which no such ``e`` allows (checked by the tests for
+every ``k`` and ``j``). Two unequal elements that trade places change two values of ``a`` (or of
+``b``, where they share a row) by ``D`` and ``-D`` up to a wrap: missed only when ``D`` is congruent modulo ``p1 * p2``
+(over 2**61) to one of four values the two places fix, which no rule an ordinary change follows
+brings about, but which is not excluded by proof.
 
 Beyond that nothing is guaranteed: a change of more than one element (swapped rows, a stale tensor)
-goes unnoticed only when the polynomial of its word differences has both bases as roots, which
-changes made without regard to these fixed, public constants essentially never do (two 31-bit
-coincidences at once), but a change crafted against them can. No fingerprint of 16 bytes can do
-more: past 16 bytes there are more tensors than fingerprints, so tensors that differ yet share one
-always exist, and with no secret key anyone can construct them. It is a staleness check, not a
-cryptographic hash: compare SHA-256 digests of the host bytes where an adversary is the concern.
+goes unnoticed only when it leaves every sum of ``a`` and of ``b`` unchanged or the polynomials of
+their changes have the bases as roots, which changes made without regard to these fixed, public
+constants essentially never do, but a change crafted against them can. No fingerprint of a few
+bytes can do more: past its size there are more tensors than fingerprints, so tensors that differ
+yet share one always exist, and with no secret key anyone can construct them. It is a staleness
+check, not a cryptographic hash: compare SHA-256 digests of the host bytes where an adversary is the
+concern. Digests carry their ``format``; comparing digests of another format (an older mtp-overlay:
+format 1: two polynomial hashes of 16-bit words) is a ValueError, never a mismatch.
 """
 
 from __future__ import annotations
 
+import math
 import re
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
+TYPE_CHECKING = False
 if TYPE_CHECKING:  # annotations only: torch loads inside the functions
     from collections.abc import Callable, Iterable, Iterator
     from typing import TypeAlias
@@ -53,6 +64,7 @@ if TYPE_CHECKING:  # annotations only: torch loads inside the functions
     import torch
 
     NamedTensors: TypeAlias = "Iterable[tuple[str, torch.Tensor]]"
+    _Sums: TypeAlias = "tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]"  # (a, b) of `_sums`
 
 # multimodal wrappers nest the language model's weights (vLLM strips these for Nemotron-H VL)
 _WRAPPER_PREFIXES = ("model.language_model.", "language_model.")
@@ -63,17 +75,21 @@ NAMESPACE, POSITIONAL = "mtp.*", "positional"
 # resp. floor(p * (sqrt 2 - 1)); below 2**31 every product of a word (< 2**16) or a residue with a
 # residue stays below 2**62 in int64
 _MODULI = ((2147483647, 1327217885), (2147483629, 889516854))
-_BLOCK = 1 << 16  # words summed exactly in int64 before a reduction: (2**16 - 1) * (2**31 - 2) * 2**16 < 2**63
-_CHUNK_WORDS = 32 * _BLOCK  # words checksummed per step (4 MiB of the tensor): an int64 working set of 16 MiB
+_WIDTH = 16  # the least width of the words' matrix
+FORMAT = 2  # of TensorDigest.checksum; format 1 (mtp-overlay before it): two hashes of 16-bit words
 
 
 class TensorDigest(NamedTuple):
-    """A tensor's fingerprint: shape (tuple), dtype (str), size in bytes, checksum (int pair)."""
+    """A tensor's fingerprint: shape (tuple), dtype (str), size in bytes, checksum (4 ints), format.
+
+    ``format`` defaults to 1, the format of digests made before it was recorded (unpickled from an
+    older mtp-overlay), so that they are refused rather than compared."""
 
     shape: tuple[int, ...]
     dtype: str
     size: int
     checksum: tuple[int, ...]
+    format: int = 1
 
 
 def strip_wrapper_prefix(name: str) -> str:
@@ -112,19 +128,16 @@ def mtp_name_filter(num_hidden_layers: int, num_mtp_layers: int) -> Callable[[st
     return lambda name: mtp_layer_of(name, num_hidden_layers, num_mtp_layers) is not None
 
 
-def tensor_checksum(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The two polynomial hashes of ``tensor``'s bytes (see the module's docstring) as 0-dim int64
-    tensors on its own device (no host sync); ``dtype``: cast first (a temporary copy on that device)."""
-    return _checksum(tensor, dtype, {})
+def tensor_checksum(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The checksum of ``tensor``'s bytes (see the module's docstring): a [4] int64 tensor on its own
+    device (no host sync); ``dtype``: cast first (a temporary copy on that device)."""
+    return _hash([_sums(tensor, dtype)], tensor.device)[0]
 
 
-def _checksum(tensor: torch.Tensor, dtype: torch.dtype | None,
-              powers: dict[tuple[torch.device, int, int], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """`tensor_checksum`, keeping its tables of base powers in ``powers`` for the next tensor.
-
-    Word ``i = b * B + j`` (block ``b`` of ``B = min(_BLOCK, words)`` words) weighs ``r^i = (r^B)^b * r^j``:
-    each block's sum of ``word * r^j`` is exact in int64, then reduced and weighed by ``(r^B)^b``.
-    """
+def _sums(tensor: torch.Tensor, dtype: torch.dtype | None) -> _Sums:
+    """``(a, b)``, each a tuple of int64 pieces on the tensor's device: the row sums of the words'
+    matrix; its column sums, the words past it and the left-over word. Two reductions, each reading
+    the tensor once."""
     import torch
 
     if not isinstance(tensor, torch.Tensor):
@@ -136,50 +149,57 @@ def _checksum(tensor: torch.Tensor, dtype: torch.dtype | None,
         tensor = tensor.to(dtype)
     flat = tensor.reshape(-1)  # a view when contiguous; non-contiguous tensors are read in logical order
     data = flat.view(torch.uint8) if flat.numel() else flat.new_empty(0, dtype=torch.uint8)
-    device, words = data.device, (data.numel() + 1) // 2
-    width = max(1, min(_BLOCK, words))
-    hashes = [torch.zeros((), dtype=torch.int64, device=device) for _ in _MODULI]
-    for start in range(0, words, _CHUNK_WORDS):
-        chunk = data[2 * start:2 * (start + _CHUNK_WORDS)].to(torch.int64)
-        blocks = -(-chunk.numel() // (2 * width))
-        chunk = torch.nn.functional.pad(chunk, (0, 2 * width * blocks - chunk.numel()))  # zero words weigh nothing
-        values = (chunk[0::2] + chunk[1::2] * 256).view(blocks, width)
-        first = start // width
-        for k, (modulus, base) in enumerate(_MODULI):
-            inner = _powers(powers, device, k, base, width)  # r^j
-            outer = _powers(powers, device, k, pow(base, width, modulus), first + blocks)  # (r^B)^b
-            sums = (values * inner[:width]).sum(dim=1).remainder_(modulus)
-            part = (sums * outer[first:first + blocks]).remainder_(modulus).sum()
-            hashes[k] = (hashes[k] + part).remainder_(modulus)
-    return hashes[0], hashes[1]
+    if data.storage_offset() % 8:  # a view at an odd place: 64-bit words need aligned bytes
+        data = data.clone()
+    count = data.numel() // 8
+    words = data[:8 * count].view(torch.int64)
+    left: tuple[torch.Tensor, ...] = ()  # the bytes left over: one more word, zero-padded, at the end of both vectors
+    if data.numel() > 8 * count:
+        left = (torch.nn.functional.pad(data[8 * count:], (0, 8 - data.numel() % 8)).view(torch.int64),)
+    width = max(_WIDTH, math.isqrt(count - 1) + 1 if count else 0)  # the least >= 16 with width**2 >= count
+    rows = count // width
+    block = words[:rows * width].view(rows, width)
+    return (block.sum(1),), (block.sum(0), words[rows * width:]) + left
 
 
-def _powers(cache: dict[tuple[torch.device, int, int], torch.Tensor], device: torch.device, k: int, base: int,
-            count: int) -> torch.Tensor:
-    """At least ``count`` powers ``base^0, base^1, ... mod p`` of modulus ``k`` (int64, on ``device``),
-    grown by doubling and kept in ``cache``."""
+def _hash(sums: list[_Sums], device: torch.device) -> torch.Tensor:
+    """[len(sums), 4] int64 on ``device``: per tensor ``(H1(a), H2(a), H1(b), H2(b))`` of its `_sums`,
+    all tensors at once (segment ``2 * t`` is tensor t's ``a``, ``2 * t + 1`` its ``b``)."""
     import torch
 
-    modulus = _MODULI[k][0]
-    table = cache.get((device, k, base))
-    if table is None:
-        table = torch.ones(1, dtype=torch.int64, device=device)
-    while table.numel() < count:
-        step = pow(base, table.numel(), modulus)  # base^n: the next n powers are the first n times base^n
-        table = torch.cat((table, (table * step).remainder_(modulus)))
-    cache[(device, k, base)] = table
+    lengths = [sum(piece.numel() for piece in vector) for pair in sums for vector in pair]
+    # each value's segment and place in it, built on the device (sizes known here: no host read, and
+    # no per-value index copied over)
+    count = torch.tensor(lengths, dtype=torch.int64, device=device)
+    segment = torch.repeat_interleave(torch.arange(len(lengths), device=device), count, output_size=sum(lengths))
+    place = torch.arange(sum(lengths), device=device) - (count.cumsum(0) - count)[segment]
+    moduli, radix = (torch.tensor([[n] for n in column], dtype=torch.int64, device=device)
+                     for column in zip(*((p, (1 << 32) % p) for p, _ in _MODULI)))
+    weights = _powers(max(lengths, default=0)).to(device)[:, place]  # [2, values]: r_k^i
+    values = torch.cat([piece for pair in sums for vector in pair for piece in vector])
+    # v mod p from v = high * 2**32 + low: |high * (2**32 mod p)| < 2**62, low < 2**32
+    values = ((values >> 32) * radix + (values & 0xFFFFFFFF)).remainder_(moduli)  # [2, values]
+    terms = (values * weights).remainder_(moduli)  # < 2**62 before the remainder, < 2**31 after
+    hashes = values.new_zeros(2, len(lengths)).index_add_(1, segment, terms).remainder_(moduli)
+    return hashes.view(2, len(sums), 2).permute(1, 2, 0).reshape(len(sums), 4)  # (H1(a), H2(a), H1(b), H2(b))
+
+
+def _powers(count: int) -> torch.Tensor:
+    """[2, n >= count] int64 on the host: ``r_k^0, r_k^1, ... mod p_k``, grown by doubling."""
+    import torch
+
+    table = torch.ones(2, 1, dtype=torch.int64)
+    moduli = torch.tensor([[p] for p, _ in _MODULI], dtype=torch.int64)
+    while table.shape[1] < count:  # r^n: the next n powers are the first n times r^n
+        step = torch.tensor([[pow(r, table.shape[1], p)] for p, r in _MODULI], dtype=torch.int64)
+        table = torch.cat((table, (table * step).remainder_(moduli)), 1)
     return table
 
 
-def _digest(tensor: torch.Tensor, dtype: torch.dtype | None,
-            powers: dict[tuple[torch.device, int, int], torch.Tensor]) -> tuple[tuple[int, ...], str, int, torch.Tensor]:
-    """(shape, dtype name, size in bytes, [2] int64 checksum on the tensor's device)."""
-    import torch
-
-    first, second = _checksum(tensor, dtype, powers)
+def _digest(tensor: torch.Tensor, dtype: torch.dtype | None) -> tuple[tuple[int, ...], str, int]:
+    """(shape, dtype name, size in bytes) of the digest of ``tensor`` (cast to ``dtype``)."""
     wire_dtype = dtype or tensor.dtype
-    size = tensor.numel() * wire_dtype.itemsize
-    return tuple(tensor.shape), str(wire_dtype).removeprefix("torch."), size, torch.stack((first, second))
+    return tuple(tensor.shape), str(wire_dtype).removeprefix("torch."), tensor.numel() * wire_dtype.itemsize
 
 
 def fingerprint(
@@ -188,25 +208,22 @@ def fingerprint(
     """``{name: TensorDigest}`` of the ``(name, tensor)`` pairs in ``named_tensors``.
 
     ``keep``: a predicate on names (e.g. `mtp_name_filter`); ``dtype``: checksum the tensors cast to
-    it (the wire dtype). One host transfer per device for all checksums. A name seen twice is a ValueError.
+    it (the wire dtype). Per tensor two reductions over its bytes; the hashes of all tensors of a device
+    in one batch and one host transfer per device. A name seen twice is a ValueError.
     """
-    import torch
-
     entries: dict[str, tuple[tuple[int, ...], str, int]] = {}
-    sums: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
-    powers: dict[tuple[torch.device, int, int], torch.Tensor] = {}
+    sums: dict[torch.device, list[tuple[str, _Sums]]] = {}
     for index, (name, tensor) in enumerate(_pairs(named_tensors, "named_tensors")):
         if keep is not None and not keep(name):
             continue
         if name in entries:
             raise ValueError(f"named_tensors: {name!r} appears twice (at index {index})")
-        shape, dtype_name, size, checksum = _digest(tensor, dtype, powers)
-        entries[name] = (shape, dtype_name, size)
-        sums.setdefault(checksum.device, []).append((name, checksum))
+        entries[name] = _digest(tensor, dtype)
+        sums.setdefault(tensor.device, []).append((name, _sums(tensor, dtype)))
     values: dict[str, list[int]] = {}
-    for pairs in sums.values():
-        values.update(zip((name for name, _ in pairs), torch.stack([c for _, c in pairs]).tolist()))
-    return {name: TensorDigest(*entries[name], tuple(values[name])) for name in entries}
+    for device, pairs in sums.items():
+        values.update(zip((name for name, _ in pairs), _hash([s for _, s in pairs], device).tolist()))
+    return {name: TensorDigest(*entries[name], tuple(values[name]), FORMAT) for name in entries}
 
 
 def record_fingerprints(
@@ -224,12 +241,10 @@ def record_fingerprints(
     """
     if not isinstance(into, dict):
         raise TypeError(f"into must be a dict to collect the digests in, got {type(into).__name__}")
-    powers: dict[tuple[torch.device, int, int], torch.Tensor] = {}
     for pair in _pairs(named_tensors, "named_tensors"):
         name, tensor = pair
         if keep is None or keep(name):
-            shape, dtype_name, size, checksum = _digest(tensor, dtype, powers)
-            into[name] = TensorDigest(shape, dtype_name, size, tuple(checksum.tolist()))
+            into[name] = TensorDigest(*_digest(tensor, dtype), tuple(tensor_checksum(tensor, dtype).tolist()), FORMAT)
         yield pair
 
 
@@ -238,6 +253,14 @@ def compare_fingerprints(expected: dict[str, TensorDigest], received: dict[str, 
     for argument, value in (("expected", expected), ("received", received)):
         if not isinstance(value, dict):
             raise TypeError(f"{argument} must be a dict of name -> TensorDigest (from fingerprint), got {type(value).__name__}")
+        for name, digest in value.items():
+            made = TensorDigest(*digest).format if isinstance(digest, tuple) and 4 <= len(digest) <= 5 else None
+            if made != FORMAT:
+                raise ValueError(
+                    f"{argument}[{name!r}] is a digest of format {made} ({digest!r:.120}), not {FORMAT}: it was computed "
+                    "by another mtp-overlay version, whose checksums cannot be compared with this one's; "
+                    "fingerprint both sides with the same version"
+                )
     problems = {}
     for name in sorted(set(expected) | set(received)):
         want, got = expected.get(name), received.get(name)

@@ -9,12 +9,12 @@ step, or it lands in a saved config.
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING
 
 from ..contract import distribution_version
 from .config import FIRST_RELEASE
 from .mask import config_of, global_valid_tokens
 
+TYPE_CHECKING = False
 if TYPE_CHECKING:  # annotations only: torch loads inside the functions
     from collections.abc import Iterator
 

@@ -9,14 +9,17 @@ import sys
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
+    import argparse
+    from typing import Any
+
     from ..contract import Declaration
 
 
-def add_parser(commands):
+def add_parser(commands: "argparse._SubParsersAction[Any]") -> "argparse.ArgumentParser":
     """Add the ``patch`` subcommand to ``commands`` (an argparse subparsers object)."""
     from .manifest import DEFAULT_PATH
 
-    patch = commands.add_parser(
+    patch: "argparse.ArgumentParser" = commands.add_parser(
         "patch",
         help="apply, check or revert the fixes' source patches in an installed environment",
         description="Source patches on the installed upstream packages (for container builds). "
@@ -51,7 +54,7 @@ def patched_fixes(only: "list[str] | None" = None) -> "list[Declaration]":
     return fixes
 
 
-def run(args):
+def run(args: "argparse.Namespace") -> int:
     from pathlib import Path
 
     from ..contract import State
@@ -84,7 +87,7 @@ def run(args):
     return 1 if failed else 0
 
 
-def _print_row(row):
+def _print_row(row: "dict[str, Any]") -> None:
     where = f"{row['distribution']} {row['version']}" if row["version"] else row["distribution"]
     variant = f", {row['variant']}" if row["variant"] else ""
     action, state = row["action"], row["state"]

@@ -9,6 +9,19 @@ from .locate import find_distribution
 from .survey import sha256, survey, transform
 from .transaction import Change, RollbackError, commit, locked, recover, stale_bytecode
 
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    import os
+    from collections.abc import Iterable, Sequence
+    from pathlib import Path
+
+    from ..contract import Declaration
+    from .manifest import Manifest
+    from .survey import Report
+
+    # path -> (bytes on disk, bytes after the fixes so far, what they carry, root)
+    Working = dict[Path, tuple["bytes | None", "bytes | None", "frozenset[str] | None", Path]]
+
 COMMANDS = ("apply", "check", "revert")
 
 # what apply / revert do to a fix in each state besides the one they act on
@@ -20,7 +33,8 @@ _NO_OP = {
 }
 
 
-def run(command, fixes, manifest, dirs=None, dry_run=False):
+def run(command: str, fixes: "Sequence[Declaration]", manifest: "Manifest",
+        dirs: "Iterable[str | os.PathLike[str]] | None" = None, dry_run: bool = False) -> "list[Report]":
     """Run ``command`` on ``fixes`` (their Declarations) with ``manifest``: one Report each.
 
     apply/revert are all-or-nothing across every file of every fix: one mismatch or failure and
@@ -41,13 +55,13 @@ def run(command, fixes, manifest, dirs=None, dry_run=False):
     return reports
 
 
-def _act(command, reports, dry_run):
+def _act(command: str, reports: "list[Report]", dry_run: bool) -> None:
     reverse = command == "revert"
     for report in reports:
         report.action = _NO_OP[command].get(report.state)
     todo = [report for report in reports if report.action is None]
     refused = [report.fix.name for report in reports if report.action == "refused"]
-    working = {}  # path -> (bytes on disk, bytes after the fixes so far, what they carry, root)
+    working: "Working" = {}
     if not refused:
         for report in todo:
             try:
@@ -66,7 +80,7 @@ def _act(command, reports, dry_run):
         for report in todo:
             report.action = "would revert" if reverse else "would patch"
         return
-    by_root = {}
+    by_root: "dict[Path, list[Change]]" = {}
     for path, (old, new, _, root) in working.items():
         by_root.setdefault(root, []).append(Change(path, old, new))
         by_root[root].extend(Change(pyc, pyc.read_bytes(), None) for pyc in stale_bytecode(path))
@@ -82,21 +96,24 @@ def _act(command, reports, dry_run):
         report.action, report.state = ("reverted", State.NEEDED) if reverse else ("patched", State.APPLIED)
         done = "back at their released sha256" if reverse else "at their patched sha256"
         report.reason = f"{report.patch.name}: {len(report.files)} file(s) written, {done}"
+        assert report.installed is not None, "only a surveyed installation is acted on"
         for entry in report.files:
             path = report.installed.root / entry["path"]
             entry["found"], carries = sha256(path.read_bytes()), working[path][2]
+            assert carries is not None, "every file worked on carries a known set of fixes"
             entry["carries"], entry["state"] = sorted(carries), "patched" if report.fix.name in carries else "unpatched"
 
 
-def _work(report, working, reverse):
+def _work(report: "Report", working: "Working", reverse: bool) -> None:
     """Apply (revert) ``report``'s patch to the files as the fixes before it left them in ``working``."""
+    assert report.installed is not None, "only a surveyed installation is worked on"
     root = report.installed.root
     paths = {file: root / file for file in report.current}
     for file, path in paths.items():
         if path not in working:
             working[path] = (report.current[file], report.current[file], report.carries.get(file), root)
     current = {file: working[path][1] for file, path in paths.items()}
-    carries = {file: working[path][2] for file, path in paths.items() if working[path][2] is not None}
+    carries = {file: carried for file, path in paths.items() if (carried := working[path][2]) is not None}
     files, after = transform(report, current, carries, reverse)
     for file, path in paths.items():
         working[path] = (working[path][0], files[file], after[file], root)

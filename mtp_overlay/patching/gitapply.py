@@ -7,6 +7,12 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    Files = dict[str, "bytes | None"]  # relative path -> its bytes, None: absent
+
 
 class PatchError(RuntimeError):
     """A patch could not be applied or reverted; every file was left (or put back) as it was."""
@@ -16,7 +22,8 @@ class GitMissing(PatchError):
     """``git`` is not on PATH: nothing can be decided about any patch."""
 
 
-def git_apply(patch, current, reverse=False):
+def git_apply(patch: "str | os.PathLike[str]", current: "Mapping[str, bytes | None]",
+              reverse: bool = False) -> "tuple[Files | None, str]":
     """``(files, "")``: what ``patch`` makes of ``current`` ({relative path: bytes or None}), or
     ``(None, git's error)`` when it does not apply."""
     with tempfile.TemporaryDirectory(prefix="mtp-overlay-patch-") as scratch:
@@ -39,7 +46,7 @@ def git_apply(patch, current, reverse=False):
         return {file: _read(tree / file) for file in current}, ""
 
 
-def _read(path):
+def _read(path: Path) -> "bytes | None":
     try:
         return path.read_bytes()
     except FileNotFoundError:

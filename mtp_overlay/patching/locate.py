@@ -5,6 +5,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    import os
+    from collections.abc import Iterable
+
 _ASK_PATHS = "import json, sysconfig; p = sysconfig.get_paths(); print(json.dumps([p['purelib'], p['platlib']]))"
 
 
@@ -13,14 +18,14 @@ class Installed:
 
     __slots__ = ("name", "version", "root")
 
-    def __init__(self, name, version, root):
+    def __init__(self, name: str, version: str, root: "str | os.PathLike[str]") -> None:
         self.name, self.version, self.root = name, version, Path(root)
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"Installed({self.name!r}, {self.version!r}, {str(self.root)!r})"
 
 
-def site_dirs(python=None, site_packages=None):
+def site_dirs(python: "str | None" = None, site_packages: "str | os.PathLike[str] | None" = None) -> "list[Path]":
     """Folders to search: ``site_packages``, or the purelib/platlib of ``python`` (default: this one).
 
     ValueError naming the argument when the folder is missing or the interpreter cannot answer.
@@ -43,14 +48,14 @@ def site_dirs(python=None, site_packages=None):
         if result.returncode != 0:
             raise ValueError(f"--python: {python!r} could not report its site-packages: {result.stderr.strip()}")
         found = json.loads(result.stdout)
-    unique = []
+    unique: "list[Path]" = []
     for folder in map(Path, found):
         if folder.is_dir() and folder.resolve() not in unique:
             unique.append(folder.resolve())
     return unique
 
 
-def find_distribution(name, dirs=None):
+def find_distribution(name: str, dirs: "Iterable[str | os.PathLike[str]] | None" = None) -> "Installed | None":
     """The one installed ``name`` in ``dirs`` (default: ``sys.path``), or None.
 
     Several copies in one search path are ambiguous: ValueError listing them.
@@ -58,9 +63,9 @@ def find_distribution(name, dirs=None):
     from importlib import metadata
 
     search = [str(d) for d in dirs] if dirs is not None else sys.path
-    found = []
+    found: "list[tuple[str, Path]]" = []
     for dist in metadata.distributions(name=name, path=search):
-        copy = (dist.version, Path(dist.locate_file("")).resolve())
+        copy = (dist.version, Path(str(dist.locate_file(""))).resolve())
         if copy not in found:
             found.append(copy)
     if not found:

@@ -15,6 +15,17 @@ import re
 from functools import lru_cache
 from pathlib import Path
 
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    import os
+    from collections.abc import Iterable
+    from typing import Any
+
+    from ..contract import Declaration
+
+    States = dict[frozenset[str], str]  # applied fix ids -> the file's sha256
+    Images = dict[str, dict[str, dict[str, States]]]  # distribution -> version -> file -> States
+
 FORMAT = 2
 RELEASED = "released"
 # mtp_overlay/patches links to the top-level patches/ in the source tree and is a copy of it in a wheel
@@ -26,12 +37,12 @@ class ManifestError(ValueError):
     """The manifest or a patch it implies is malformed; the message names the file and the key."""
 
 
-def state_key(applied):
+def state_key(applied: "Iterable[str]") -> str:
     """The manifest key of a file carrying the patches of the fix ids in ``applied``."""
     return "+".join(sorted(applied)) or RELEASED
 
 
-def applied_in(key):
+def applied_in(key: str) -> "frozenset[str]":
     """The fix ids a manifest key stands for (`state_key`'s inverse)."""
     return frozenset() if key == RELEASED else frozenset(key.split("+"))
 
@@ -41,29 +52,29 @@ class Manifest:
 
     __slots__ = ("path", "images")
 
-    def __init__(self, path, images):
+    def __init__(self, path: "str | os.PathLike[str]", images: "Images") -> None:
         self.path, self.images = Path(path), images
 
     @property
-    def root(self):
+    def root(self) -> Path:
         """The folder holding the patches (the manifest's own)."""
         return self.path.parent
 
-    def patch_path(self, fix, family):
+    def patch_path(self, fix: "Declaration", family: str) -> Path:
         """The patch file of ``fix`` for release family ``family`` (ManifestError when missing)."""
         path = self.root / fix.name / fix.distribution / f"{family}.patch"
         if not path.is_file():
             raise ManifestError(f"{self.path}: {fix.name} declares release family {family!r} but {path} does not exist")
         return path
 
-    def file_states(self, fix, version, file):
+    def file_states(self, fix: "Declaration", version: str, file: str) -> "list[States]":
         """Candidate ``{applied fix ids: sha256}`` maps for ``file`` of ``fix.distribution`` ``version``:
         the release's own when measured, else those of every measured release of the same family."""
         releases = self.images.get(fix.distribution, {})
         if version in releases:
             return [releases[version].get(file, {})]
         family = fix.family_of(version)
-        distinct = []
+        distinct: "list[States]" = []
         for measured, files in releases.items():
             states = files.get(file)
             if states and fix.family_of(measured) == family and states not in distinct:
@@ -71,9 +82,10 @@ class Manifest:
         return distinct
 
 
-def touched_files(patch):
+def touched_files(patch: "str | os.PathLike[str]") -> "tuple[str, ...]":
     """Paths a unified diff touches, relative to its root (the ``a/``/``b/`` prefix dropped)."""
-    files, old = [], None
+    files: "list[str]" = []
+    old: "str | None" = None
     for line in Path(patch).read_text(encoding="utf-8").splitlines():
         if line.startswith("--- "):
             old = line[4:].split("\t")[0]
@@ -89,7 +101,7 @@ def touched_files(patch):
 
 
 @lru_cache(maxsize=8)
-def load(path=DEFAULT_PATH):
+def load(path: "str | os.PathLike[str]" = DEFAULT_PATH) -> Manifest:
     """Parse and validate the manifest at ``path`` (cached per path)."""
     path = Path(path)
     try:
@@ -104,16 +116,16 @@ def load(path=DEFAULT_PATH):
     return Manifest(path, _images(path, {key: value for key, value in raw.items() if key not in ("format", "about")}))
 
 
-def _images(path, raw):
+def _images(path: Path, raw: "dict[str, Any]") -> "Images":
     """``raw`` (distribution -> version -> file -> key -> sha256) checked and keyed by frozensets."""
     from packaging.version import InvalidVersion, Version
 
-    def mapping(value, where):
+    def mapping(value: object, where: str) -> "dict[str, Any]":
         if not isinstance(value, dict) or not value:
             raise ManifestError(f"{path}: {where} must be a non-empty object, got {value!r}")
         return value
 
-    images = {}
+    images: "Images" = {}
     for distribution, releases in raw.items():
         for version, files in mapping(releases, distribution).items():
             try:

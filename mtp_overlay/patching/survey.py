@@ -13,13 +13,25 @@ from .gitapply import GitMissing, PatchError, git_apply
 from .locate import find_distribution
 from .manifest import ManifestError, state_key, touched_files
 
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    import os
+    from collections.abc import Iterable, Mapping
+    from pathlib import Path
+    from typing import Any
+
+    from ..contract import Declaration, Verdict
+    from .gitapply import Files
+    from .locate import Installed
+    from .manifest import Manifest, States
+
 
 # what one touched file is: carries this fix's patch as measured, is at a measured state without it
 # (as released, or with other fixes' patches), has bytes no measured state has, or is not there
 FILE_STATES = ("patched", "unpatched", "edited", "missing")
 
 
-def sha256(data):
+def sha256(data: "bytes | None") -> "str | None":
     return None if data is None else hashlib.sha256(data).hexdigest()
 
 
@@ -35,16 +47,22 @@ class Report:
 
     __slots__ = ("fix", "installed", "patch", "state", "action", "reason", "files", "current", "carries", "states")
 
-    def __init__(self, fix, installed):
+    def __init__(self, fix: "Declaration", installed: "Installed | None") -> None:
         self.fix, self.installed = fix, installed
-        self.patch = self.state = self.action = self.reason = None
-        self.files, self.current, self.carries, self.states = [], {}, {}, {}
+        self.patch: "Any" = None  # the patch file (a Path) once a release family fits
+        self.state: "Any" = None  # a State once surveyed
+        self.action: "str | None" = None
+        self.reason: "Any" = None  # a str once set
+        self.files: "list[dict[str, Any]]" = []
+        self.current: "Files" = {}
+        self.carries: "dict[str, frozenset[str]]" = {}
+        self.states: "dict[str, States]" = {}
 
-    def set(self, state, reason):
+    def set(self, state: str, reason: str) -> "Report":
         self.state, self.reason = state, reason
         return self
 
-    def as_dict(self):
+    def as_dict(self) -> "dict[str, Any]":
         installed = self.installed
         return {
             "fix": self.fix.name,
@@ -59,7 +77,8 @@ class Report:
         }
 
 
-def survey(fix, manifest, dirs=None, verify=True):
+def survey(fix: "Declaration", manifest: "Manifest", dirs: "Iterable[str | os.PathLike[str]] | None" = None,
+           verify: bool = True) -> Report:
     """The on-disk state of ``fix`` (its Declaration) in ``dirs`` (default: sys.path); nothing written.
 
     ``verify``: prove a `State.NEEDED` patch applies cleanly (runs ``git apply`` on a scratch copy).
@@ -115,7 +134,7 @@ def survey(fix, manifest, dirs=None, verify=True):
     return report.set(State.MISMATCH, _mismatch(report))
 
 
-def _older_than_every_family(fix, version):
+def _older_than_every_family(fix: "Declaration", version: str) -> bool:
     from packaging.specifiers import SpecifierSet
     from packaging.version import Version
 
@@ -124,7 +143,8 @@ def _older_than_every_family(fix, version):
     return bool(lowest) and Version(version) < min(lowest)
 
 
-def transform(report, current, carries, reverse):
+def transform(report: Report, current: "Mapping[str, bytes | None]", carries: "Mapping[str, frozenset[str]]",
+              reverse: bool) -> "tuple[Files, dict[str, frozenset[str]]]":
     """The bytes ``report``'s patch makes of ``current`` (files carrying ``carries``), or takes out
     of them when ``reverse``, each checked against the manifest: ``(files, carries after)``."""
     fix = report.fix
@@ -138,7 +158,7 @@ def transform(report, current, carries, reverse):
     verb = "git apply --reverse" if reverse else "git apply"
     if files is None:
         raise PatchError(f"{fix.name}: {verb} {report.patch} failed: {error}")
-    after = {}
+    after: "dict[str, frozenset[str]]" = {}
     for file, data in files.items():
         after[file] = carries[file] - {fix.name} if reverse else carries[file] | {fix.name}
         want = report.states[file].get(after[file])
@@ -152,7 +172,7 @@ def transform(report, current, carries, reverse):
     return files, after
 
 
-def marker_on_disk(fix, root):
+def marker_on_disk(fix: "Declaration", root: "Path") -> bool:
     """Whether the file of ``fix.marker`` under ``root`` carries the marker (read, not run)."""
     if fix.marker is None:
         return False
@@ -161,7 +181,7 @@ def marker_on_disk(fix, root):
     return data is not None and fix.marker.in_source(data, str(path))
 
 
-def source_verdict(fix, module, manifest=None):
+def source_verdict(fix: "Declaration", module: str, manifest: "Manifest | None" = None) -> "Verdict | None":
     """What the installed source says of ``fix``, for `check` where its target ``module`` cannot be
     imported on this machine (a package it needs is missing): a `Verdict` read from disk, never run;
     None when the release has no such module.
@@ -202,7 +222,7 @@ def source_verdict(fix, module, manifest=None):
     return Verdict(report.state, report.reason)
 
 
-def patched_on_disk(fix, manifest=None):
+def patched_on_disk(fix: "Declaration", manifest: "Manifest | None" = None) -> "bool | None":
     """Whether the installed files of ``fix`` carry its patch (hashes only, nothing run).
 
     None when the distribution is not importable, or no patch of ``fix`` fits it or is shipped.
@@ -218,7 +238,7 @@ def patched_on_disk(fix, manifest=None):
     return {State.APPLIED: True, State.NEEDED: False}.get(state)
 
 
-def _file_state(fix, data, carries):
+def _file_state(fix: "Declaration", data: "bytes | None", carries: "frozenset[str] | None") -> str:
     if data is None:
         return "missing"
     if carries is None:
@@ -226,7 +246,7 @@ def _file_state(fix, data, carries):
     return "patched" if fix.name in carries else "unpatched"
 
 
-def _mismatch(report):
+def _mismatch(report: Report) -> str:
     """Why the files fit no state of the patch: each edited or missing file named with the sha256 the
     other files say it should have, then what those are (patched, unpatched, or both: half-applied).
 
@@ -234,6 +254,7 @@ def _mismatch(report):
     measured state, and a partial revert would leave the fix half-applied under a hook that reads one file.
     """
     fix, installed = report.fix, report.installed
+    assert installed is not None, "a mismatch is found on an installed distribution"
     name = f"{fix.distribution} {installed.version}"
     groups = {state: [entry for entry in report.files if entry["state"] == state] for state in FILE_STATES}
     patched, unpatched, changed = groups["patched"], groups["unpatched"], groups["edited"] + groups["missing"]
@@ -258,11 +279,11 @@ def _mismatch(report):
     return f"{report.patch.name}: " + "; ".join(lines)
 
 
-def _paths(entries):
+def _paths(entries: "list[dict[str, Any]]") -> str:
     return ", ".join(entry["path"] for entry in entries)
 
 
-def _read(path):
+def _read(path: "Path") -> "bytes | None":
     try:
         return path.read_bytes()
     except FileNotFoundError:

@@ -21,6 +21,10 @@ from pathlib import Path
 
 from .gitapply import PatchError
 
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Iterator, Sequence
+
 JOURNAL = ".mtp-overlay-patch.journal"
 
 
@@ -33,7 +37,7 @@ class Change:
 
     __slots__ = ("path", "old", "new", "times")
 
-    def __init__(self, path, old, new):
+    def __init__(self, path: "str | os.PathLike[str]", old: "bytes | None", new: "bytes | None") -> None:
         self.path, self.old, self.new = Path(path), old, new
         try:
             stat = self.path.stat()
@@ -43,7 +47,7 @@ class Change:
 
 
 @contextlib.contextmanager
-def locked(folder):
+def locked(folder: "str | os.PathLike[str]") -> "Iterator[None]":
     """Hold the site folder's patch lock for the block (blocks while another process holds it)."""
     import fcntl
 
@@ -55,7 +59,7 @@ def locked(folder):
         os.close(descriptor)  # releases the lock
 
 
-def recover(folder):
+def recover(folder: "str | os.PathLike[str]") -> "list[Path]":
     """Put back every file of an interrupted transaction in ``folder`` (hold its lock); the files
     restored, or [] when no journal was left."""
     journal = Path(folder) / JOURNAL
@@ -72,7 +76,7 @@ def recover(folder):
     return [change.path for change in changes]
 
 
-def commit(folder, changes):
+def commit(folder: "str | os.PathLike[str]", changes: "Sequence[Change]") -> None:
     """Write every change or none: on any failure, interrupts included, every file gets its old
     bytes back; a crash is undone by the next run's `recover`."""
     try:
@@ -89,12 +93,12 @@ def commit(folder, changes):
     (Path(folder) / JOURNAL).unlink()
 
 
-def stale_bytecode(path):
+def stale_bytecode(path: Path) -> "list[Path]":
     """Cached bytecode of source ``path`` (``__pycache__/<stem>.*.pyc``)."""
     return sorted((path.parent / "__pycache__").glob(f"{path.stem}.*.pyc"))
 
 
-def _write_journal(folder, changes):
+def _write_journal(folder: "str | os.PathLike[str]", changes: "Sequence[Change]") -> None:
     entries = [
         {"path": str(change.path), "old": None if change.old is None else base64.b64encode(change.old).decode()}
         for change in changes
@@ -105,7 +109,7 @@ def _write_journal(folder, changes):
         raise PatchError(f"{Path(folder) / JOURNAL}: the journal read back differs from the one written")
 
 
-def _rollback(changes):
+def _rollback(changes: "Sequence[Change]") -> None:
     failed = []
     for change in changes:
         try:
@@ -119,7 +123,7 @@ def _rollback(changes):
         raise RollbackError("rollback failed, these files may be half-patched: " + "; ".join(failed))
 
 
-def _put(path, data):
+def _put(path: "str | os.PathLike[str]", data: "bytes | None") -> None:
     """Make ``path`` (a symlink: the file it points at) hold ``data`` (None: no file), swapped in whole."""
     path = Path(os.path.realpath(path))
     if data is None:
@@ -140,7 +144,7 @@ def _put(path, data):
         Path(temporary).unlink(missing_ok=True)
 
 
-def _read(path):
+def _read(path: "str | os.PathLike[str]") -> "bytes | None":
     try:
         return Path(path).read_bytes()
     except FileNotFoundError:

@@ -35,6 +35,7 @@ from . import data as _data
 from . import inputs
 from . import report as _report
 from .layout import Layout
+from .plan import LOSSES
 from .report import Report
 from .shrink import Shrunk, shrink
 from .vision import is_multimodal, shrink_multimodal, shrink_provider_multimodal
@@ -44,11 +45,11 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
     from .engine import Engine
+    from .plan import Answer, CaseAnswer, HfConfigModel, Job, Plan, ProviderModel
 
 __all__ = ["PACKINGS", "LOSSES", "MASKS", "Layout", "Report", "verify"]
 
 PACKINGS = ("none", "thd-padded", "thd-real-lengths")
-LOSSES = ("per-token", "2-output", "3-output")
 MASKS = ("passed", "scoped")  # the trainer passes the MTP mask as loss_mask, or scopes it (mtp.loss_mask_scope)
 MAX_RANKS = 8
 SEED = 1234
@@ -140,7 +141,7 @@ def verify(
     runner = engine if engine is not None else _child(run_layout.world_size, log, progress)
     try:
         if shrunk is None or sample is None:  # a provider: its fields come from the engine (Bridge imports it)
-            described = runner.request(dict(op="describe", model=dict(kind="provider", path=name)))
+            described = runner.request({"op": "describe", "model": {"kind": "provider", "path": name}})
             _raise_plan_error(described)
             fields = described.get("fields")
             if not isinstance(fields, dict):
@@ -164,8 +165,7 @@ def verify(
         phases.append((f"{run_layout.name}: {len(cases)} steps", _seconds(second)))
         depths = shrunk.mtp_depth
 
-        def judged_as(answer: dict[str, object], where: Layout | None,
-                      reference: dict[str, object] | None) -> _report.Case:
+        def judged_as(answer: CaseAnswer, where: Layout | None, reference: CaseAnswer | None) -> _report.Case:
             named = dict(answer, layout_name=where.name if where is not None else reference_name)
             return _report.judge_case(named, sample, reference, forward, depths, tolerance,
                                       per_image if isinstance(per_image, int) else None)
@@ -238,26 +238,27 @@ def check_multimodal_options(packing: str, forward: str, mtp_mask: str, layout: 
 
 
 def _plan(shrunk: Shrunk, sample: _data.Sample, name: str, *, loss: str, forward: str, mtp_mask: str,
-          packing: str, pad_multiple: int | None) -> dict[str, object]:
-    """What the engine builds and runs (``bed/engines/verify.py`` reads it)."""
+          packing: str, pad_multiple: int | None) -> Plan:
+    """What the engine builds and runs (`plan.Plan`)."""
+    model: HfConfigModel | ProviderModel
     if shrunk.keyspace == "hf":
-        model: dict[str, object] = dict(kind="hf-config", config=shrunk.values)
+        model = {"kind": "hf-config", "config": shrunk.values}
     else:  # the provider's fields the shrink changed, set on it after it is made
         changed = {change.key for change in shrunk.changes}
-        model = dict(kind="provider", path=name,
-                     overrides={key: value for key, value in shrunk.values.items() if key in changed})
+        model = {"kind": "provider", "path": name,
+                 "overrides": {key: value for key, value in shrunk.values.items() if key in changed}}
     scatter = shrunk.values.get("scatter_embedding_sequence_parallel")
-    plan = dict(
-        model=model, recipe=shrunk.settings, seed=SEED, loss=loss, forward=forward,
-        mtp_mask="explicit" if mtp_mask == "passed" else "scoped",
-        scatter_embedding_sequence_parallel=scatter if isinstance(scatter, bool) else True,
-        sequences=[list(sequence.tokens) for sequence in sample.sequences],
-        prompts=[sequence.prompt for sequence in sample.sequences], packing=packing, pad_multiple=pad_multiple,
-    )
+    plan: Plan = {
+        "model": model, "recipe": shrunk.settings, "seed": SEED, "loss": loss, "forward": forward,
+        "mtp_mask": "explicit" if mtp_mask == "passed" else "scoped",
+        "scatter_embedding_sequence_parallel": scatter if isinstance(scatter, bool) else True,
+        "sequences": [list(sequence.tokens) for sequence in sample.sequences],
+        "prompts": [sequence.prompt for sequence in sample.sequences], "packing": packing, "pad_multiple": pad_multiple,
+    }
     if shrunk.multimodal is not None:  # images in the microbatch; provider fields set after Bridge's import
         model["multimodal"] = dict(shrunk.multimodal.provider)
-        plan.update(images=[list(sequence.images) for sequence in sample.sequences],
-                    scatter_embedding_sequence_parallel=False)
+        plan["images"] = [list(sequence.images) for sequence in sample.sequences]
+        plan["scatter_embedding_sequence_parallel"] = False
     return plan
 
 
@@ -378,13 +379,13 @@ def _child(world: int, log: str | None, progress: Callable[[str], None] | None) 
     return ChildEngine(world, log=log, progress=progress)
 
 
-def _request(runner: Engine, plan: dict[str, object], jobs: list[list[object]]) -> dict[str, object]:
-    answer = runner.request(dict(op="run", plan=plan, jobs=jobs))
+def _request(runner: Engine, plan: Plan, jobs: list[Job]) -> Answer:
+    answer = runner.request({"op": "run", "plan": plan, "jobs": jobs})
     _raise_plan_error(answer)
     return answer
 
 
-def _raise_plan_error(answer: dict[str, object]) -> None:
+def _raise_plan_error(answer: Answer) -> None:
     error = answer.get("error")
     if error:
         if answer.get("traceback"):
@@ -393,14 +394,14 @@ def _raise_plan_error(answer: dict[str, object]) -> None:
         raise ValueError(error if str(error).startswith("--") else f"the test bed cannot build this config: {error}")
 
 
-def _answers(answer: dict[str, object]) -> list[dict[str, object]]:
+def _answers(answer: Answer) -> list[CaseAnswer]:
     cases = answer.get("cases")
     if not isinstance(cases, list) or not all(isinstance(case, dict) for case in cases):
         raise RuntimeError(f"the verify engine answered without cases: {str(answer)[:300]}")
     return cases
 
 
-def _startup(answer: dict[str, object], world: int) -> list[tuple[str, float]]:
+def _startup(answer: Answer, world: int) -> list[tuple[str, float]]:
     """The start-up phase of the engine's first answer (none on later ones)."""
     seconds = answer.get("startup")
     if not isinstance(seconds, (int, float)):
@@ -408,6 +409,6 @@ def _startup(answer: dict[str, object], world: int) -> list[tuple[str, float]]:
     return [(f"start-up ({world} ranks: megatron-core and Megatron-Bridge imports)", float(seconds))]
 
 
-def _seconds(answer: dict[str, object]) -> float:
+def _seconds(answer: Answer) -> float:
     seconds = answer.get("seconds")
     return float(seconds) if isinstance(seconds, (int, float)) else 0.0

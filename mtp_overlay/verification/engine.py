@@ -23,8 +23,10 @@ if TYPE_CHECKING:
     from collections.abc import Callable
     from typing import Protocol
 
+    from .plan import Answer, DescribeRequest, RunRequest
+
     class Engine(Protocol):
-        def request(self, message: dict[str, object]) -> dict[str, object]: ...
+        def request(self, message: DescribeRequest | RunRequest) -> Answer: ...
 
         def close(self) -> None: ...
 
@@ -75,7 +77,7 @@ class ChildEngine:
             self._tail = (self._tail + [line])[-TAIL:]
             self._progress(line)
 
-    def request(self, message: dict[str, object]) -> dict[str, object]:
+    def request(self, message: DescribeRequest | RunRequest) -> Answer:
         """One request, one answer; RuntimeError with the child's last stderr lines if it dies."""
         assert self._child.stdin is not None and self._child.stdout is not None
         try:
@@ -89,7 +91,7 @@ class ChildEngine:
             self._reader.join(timeout=5)
             tail = "\n".join(self._tail[-15:])
             raise RuntimeError(f"the verify engine exited ({self._child.returncode}) without an answer:\n{tail}")
-        answer = json.loads(line)
+        answer: Answer = json.loads(line)
         if not isinstance(answer, dict):
             raise RuntimeError(f"the verify engine answered {line[:200]!r}")
         return answer

@@ -21,6 +21,10 @@ import dataclasses
 from .oracle import Triple, allowed, compare, image_slot_targets
 from .data import Sample
 
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
 TOLERANCE = 1e-4
 OK, DIFFERS = 0, 1  # exit codes (2: bad input, raised before a report exists)
 
@@ -274,7 +278,7 @@ def table(report: Report) -> str:
     return "\n".join([head, "|" + " --- |" * 8, "| " + " | ".join(cells) + " |"])
 
 
-def judge_case(answer: dict[str, object], sample: Sample, reference: dict[str, object] | None, forward: str,
+def judge_case(answer: Mapping[str, object], sample: Sample, reference: Mapping[str, object] | None, forward: str,
                depth_count: int, tolerance: float = TOLERANCE, tokens_per_image: int | None = None) -> Case:
     """A `Case` of one engine answer row, held to the oracle and to the ``reference`` row (None: it is
     the reference); ``tokens_per_image``: a VL / Omni model's (positions are combined slots)."""

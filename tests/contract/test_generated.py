@@ -62,6 +62,22 @@ def test_install_order_puts_a_fix_after_the_fixes_it_names_and_refuses_a_cycle()
         generated.install_order([declared("a-fix", after=("b-fix",)), declared("b-fix", after=("a-fix",))])
 
 
+def test_the_collective_fixes_are_the_declared_ones_and_read_each_other():
+    """``table.COLLECTIVE`` (what `fixes.peers` compares across ranks) is generated from ``collective=True``;
+    a collective fix whose ``reads`` leave another out is refused (its peer_state would raise mid-run)."""
+    assert table.COLLECTIVE == tuple(d.name for d in generated.found_declarations() if d.collective)
+    assert set(table.COLLECTIVE) == {"mtp-loss-mask", "mtp-packed-roll", "mtp-cp-loss-scale"}
+
+    def declared(name, reads=()):
+        return Declaration(name, summary="s", symptom="s", distribution="d",
+                           targets={"m": f"m.{name.replace('-', '_')}"}, provenance=Provenance("tests"), reads=reads,
+                           collective=True)
+
+    generated.checked_references([declared("a-fix", reads=("b-fix",)), declared("b-fix", reads=("a-fix",))])
+    with pytest.raises(generated.GenerationError, match=r"'b-fix' is collective: its reads must name .*\['a-fix'\]"):
+        generated.checked_references([declared("a-fix", reads=("b-fix",)), declared("b-fix")])
+
+
 def test_no_committed_fix_carries_a_scaffold_placeholder():
     found = []
     for declaration in generated.found_declarations():

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import mtp_overlay
+from mtp_overlay import declarations
 
 PACKAGE = Path(mtp_overlay.__file__).parent
 TEST_CODE = ("bed", "upstream_tests")
@@ -170,6 +171,45 @@ def test_the_graph_tests_see_a_circle_and_a_function_level_import():
     assert bed_layer("mtp_overlay.bed.fixes.mtp_loss_mask") < bed_layer("mtp_overlay.bed.engines.demo")
     assert layer("mtp_overlay.contract") < layer("mtp_overlay.lifecycle") < layer("mtp_overlay.registry")
     assert layer("mtp_overlay.patching.survey") < layer("mtp_overlay.registry")
+
+
+def fix_of(module):
+    """The fix id whose folder holds product module ``module`` (``mtp_overlay.fixes.<fix id with _>...``),
+    or None (a shared fixes module such as ``fixes.peers``, or no fix at all)."""
+    parts = module.split(".")
+    if len(parts) > 2 and parts[1] == "fixes" and (PACKAGE / "fixes" / parts[2] / "declaration.py").is_file():
+        return parts[2].replace("_", "-")
+    return None
+
+
+def unnamed_fix_imports(graph, named):
+    """Every import of ``graph`` from one fix's module into another fix's that ``named`` (fix id -> the fix
+    ids its declaration's ``requires`` and ``reads`` name) does not allow."""
+    found = []
+    for module, imported in sorted(graph.items()):
+        importer = fix_of(module)
+        for other in sorted(imported):
+            fix = fix_of(other)
+            if importer is not None and fix not in (None, importer) and fix not in named(importer):
+                found.append(f"{module} imports {other}: fix {importer} names {fix} in neither requires nor reads")
+    return found
+
+
+def test_a_fix_imports_another_fix_only_where_its_declaration_names_it():
+    """Fix-to-fix imports (function-level ones included) follow the declarations: what two fixes share
+    lives in a shared fixes module (``fixes.combined_inputs``, ``fixes.peers``) or in ``mtp``."""
+
+    def named(fix_id):
+        declaration = declarations.load(fix_id)
+        return set(declaration.requires) | set(declaration.reads)
+
+    assert unnamed_fix_imports(import_graph(), named) == []
+    # mtp-loss-mask once imported mtp-multimodal's scope, a fix that requires it: the check sees that
+    old = {"mtp_overlay.fixes.mtp_loss_mask": {"mtp_overlay.fixes.mtp_multimodal.llava", "mtp_overlay.fixes.peers"}}
+    assert unnamed_fix_imports(old, named) == [
+        "mtp_overlay.fixes.mtp_loss_mask imports mtp_overlay.fixes.mtp_multimodal.llava: fix mtp-loss-mask names "
+        "mtp-multimodal in neither requires nor reads"]
+    assert unnamed_fix_imports({"mtp_overlay.fixes.mtp_multimodal": {"mtp_overlay.fixes.mtp_loss_mask"}}, named) == []
 
 
 def test_no_product_module_imports_the_test_bed():

@@ -283,6 +283,23 @@ def test_uninstall_takes_ours_out_from_under_a_wrapper_stacked_on_top(target, re
     assert module.Target().compute(1) == 102
 
 
+def test_two_fixes_on_one_method_uninstalled_inner_first_leave_the_original(target, register):
+    """``mtp_overlay.uninstall()`` goes in table order: the fix installed first (the inner wrapper) is
+    spliced out from under the second's, and the second's uninstall must not put it back."""
+    module = importlib.import_module(target())
+    original = raw(module)
+    inner = register(DoublingFix(module.__name__, name="test-doubling-inner"))
+    outer = register(DoublingFix(module.__name__, name="test-doubling-outer"))
+    registry.install(only=[inner.name, outer.name])
+    assert module.Target().compute(1) == 8  # (1 + 1) doubled twice
+    registry.uninstall(only=[inner.name])
+    assert module.Target().compute(1) == 4
+    registry.uninstall(only=[outer.name])
+    assert raw(module) is original and module.Target().compute(1) == 2
+    registry.install(only=[inner.name, outer.name])  # and both go on again
+    assert module.Target().compute(1) == 8
+
+
 def test_uninstall_under_a_plain_decorator_leaves_ours_and_says_so(target, register):
     import functools
 

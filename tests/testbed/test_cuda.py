@@ -15,9 +15,10 @@ import types
 import pytest
 import torch
 
-from mtp_overlay.bed.runtime import device, preloaded
 from mtp_overlay.bed.engines import gpu_check
+from mtp_overlay.bed.runtime import device, preloaded
 from mtp_overlay.bed.runtime.launcher import run_ranks_checked
+from mtp_overlay.bed.runtime.syncs import origin_of
 
 # a fresh interpreter that counts the CUDA-initialising calls (cudaGetDeviceCount, cuda init) made by
 # importing what the preloaded server preloads, then megatron-core's GPT model
@@ -134,8 +135,10 @@ def test_packed_thd_runs_on_cuda_with_the_overlay_and_its_mtp_loss_equals_bshds(
     assert gpu_check.loss_spread(rows, "overlay") < 2e-3 < gpu_check.loss_spread(rows, "stock"), rows
     for layout in ("THD padded", "THD real-lengths"):  # the overlay removes stock's roll syncs, adds none
         assert by[layout, "overlay"].cuda_syncs < by[layout, "stock"].cuda_syncs, by[layout, "overlay"]
-        assert not any("mtp_overlay" in place for place in by[layout, "overlay"].sync_sites), by[layout, "overlay"]
-    assert by["BSHD", "overlay"].cuda_syncs == by["BSHD", "stock"].cuda_syncs
+        row = by[layout, "overlay"]
+        places = [*row.sync_sites, *row.cuda_sites]
+        assert not any(origin_of(place.rpartition(":")[0]) == "overlay" for place in places), row
+    assert by["BSHD", "overlay"].cuda_syncs <= by["BSHD", "stock"].cuda_syncs  # stock's first step may sync once
 
 
 FAILING_CHECK = textwrap.dedent("""

@@ -7,7 +7,9 @@ host read of the forward+backward by who made it, at the aten level (the reads C
 0-dim tensor used as a slice bound, included). In the default mode the overlay's count is 0
 from the second step on; the first step makes the one-time checks (the mask's alignment: one
 read); ``MTP_OVERLAY_CHECKS=full`` makes the host-side checks (so the counter sees the overlay's
-reads when there are any) and trains the same gradients. Wall time on 2 shared cores (load ~7), alone: 23 s for CP2, 20 s more for TP1 and
+reads when there are any) and trains the same gradients. The same steps' aten ops (a kernel launch
+each on a GPU) hold the overlay's budget: on the packed row no more than stock's, at most 4 device
+asserts, and at most 10 more than stock on BSHD. Wall time on 2 shared cores (load ~7), alone: 23 s for CP2, 20 s more for TP1 and
 TP2+SP (slow); with the suite's shared pools a few seconds per layout.
 """
 
@@ -58,3 +60,20 @@ def test_the_full_checks_read_on_the_host_and_train_the_same(layout):
         for part in ("mtp", "lm"):
             assert numpy.array_equal(out["full"][1][part], out["warm"][1][part]), (name, part)
         assert out["full"][2] == out["warm"][2] == out["first"][2]
+
+
+ASSERT = "aten::_assert_async.msg"
+
+
+def test_the_overlay_issues_no_more_aten_ops_than_stock_on_the_packed_row(layout):
+    """One plan per forward, shared by every roll of every depth and by the checks: the packed row's
+    forward+backward issues fewer ops than stock's per-sequence roll, with at most 4 device asserts
+    (the boundaries, the mask's weights, its padding slots); BSHD adds at most 10 (the weights'
+    check; under CP the loss scale's all-reduce)."""
+    name, ranks = layout
+    for rank, out in enumerate(ranks):
+        ops = {step: out[step][3]["ops"] for step in ("warm", "stock", "bshd", "stock bshd")}
+        total = {step: sum(counts.values()) for step, counts in ops.items()}
+        assert total["warm"] <= total["stock"], (name, rank, total)
+        assert 1 <= ops["warm"].get(ASSERT, 0) <= 4 and ops["stock"].get(ASSERT, 0) == 0, (name, rank, ops["warm"].get(ASSERT))
+        assert total["bshd"] - total["stock bshd"] <= 10, (name, rank, total)

@@ -23,6 +23,7 @@ test bed's own exact attention (``cpu_shims``) runs. `thd_attention` is checked 
 """
 
 import argparse
+import collections
 import dataclasses
 import statistics
 import sys
@@ -51,7 +52,8 @@ class Row:
     mtp_losses: tuple = ()
     syncs: int = 0  # host reads of one step (aten-level counter)
     cuda_syncs: int | None = None  # CUDA's detector (on CUDA only)
-    sync_sites: dict = dataclasses.field(default_factory=dict)  # "file:line" -> reads (CUDA's on CUDA)
+    sync_sites: dict = dataclasses.field(default_factory=dict)  # "file:line" -> reads (aten-level counter)
+    cuda_sites: dict = dataclasses.field(default_factory=dict)  # "file:line" -> syncs CUDA's detector reported
     ops: int = 0  # aten ops of one step
     step_ms: float = 0.0  # median
 
@@ -196,12 +198,13 @@ def _counted_step(model, batch, size, layout, side):
         _step(model, batch)
     logged = mtp_metrics(1)  # the tracker's reduction, as Megatron logs it (after the count: it reads)
     losses = tuple(logged.get(f"mtp_{depth}_loss", float("nan")) for depth in range(1, MTP_DEPTHS + 1))
-    if counter.device == "cuda":
-        sites, cuda_syncs = dict(counter.cuda_syncs), sum(counter.cuda_syncs.values())
-    else:
-        sites, cuda_syncs = {place: n for (_, _, place), n in counter.summary().items()}, None
-    return Row(size, layout, side, mtp_losses=losses, syncs=counter.count(), cuda_syncs=cuda_syncs,
-               sync_sites=sites, ops=sum(counter.ops.values()))
+    sites = collections.Counter()
+    for (_, _, place), n in counter.summary().items():
+        sites[place] += n
+    cuda = counter.device == "cuda"
+    return Row(size, layout, side, mtp_losses=losses, syncs=counter.count(),
+               cuda_syncs=sum(counter.cuda_syncs.values()) if cuda else None, sync_sites=dict(sites),
+               cuda_sites=dict(counter.cuda_syncs), ops=sum(counter.ops.values()))
 
 
 def _interleaved_times(model, batch, iterations):
@@ -292,8 +295,10 @@ def table(results, device):
             lines.append(f"   {row.layout:17s} {row.side:8s} {losses:24s} {row.syncs:6d} {cuda:>5s} {row.ops:8d} "
                          f"{row.step_ms:9.2f}  {ratio}")
         for row in rows:
-            sites = ", ".join(f"{n}x {_short(place)}" for place, n in sorted(row.sync_sites.items(), key=lambda kv: -kv[1]))
-            lines.append(f"   syncs {row.layout} {row.side}: {sites or 'none'}")
+            for what, found in (("reads", row.sync_sites), ("CUDA syncs", row.cuda_sites if row.cuda_syncs is not None else None)):
+                if found is not None:
+                    sites = ", ".join(f"{n}x {_short(place)}" for place, n in sorted(found.items(), key=lambda kv: -kv[1]))
+                    lines.append(f"   {what} {row.layout} {row.side}: {sites or 'none'}")
         for side in SIDES:
             lines.append(f"   {side} MTP loss spread across layouts (max relative): {loss_spread(rows, side):.2e}")
         gb = nbytes / 1e9

@@ -187,13 +187,14 @@ def microbatch(case):
     return packed_row(case.pad_multiple, case.layout).microbatch(labels=False)
 
 
-def build(model, *, sequence_parallel=False, seed=1234, mtp_moe_flag=False):
+def build(model, *, sequence_parallel=False, seed=1234, mtp_moe_flag=False, **overrides):
     """A per-token-loss model of MODELS for this rank (TP/CP/EP/PP from parallel_state; under PP its
-    stage); with ``mtp_moe_flag`` its MTP block's MoE layers flagged by hand (`moe.flag_mtp_moe_layers`)."""
+    stage); with ``mtp_moe_flag`` its MTP block's MoE layers flagged by hand (`moe.flag_mtp_moe_layers`);
+    ``overrides`` go to the test bed's builder (e.g. ``mtp_num_layers=2`` for "gpt")."""
     from ..models import pipeline
-    from ..steps.moe import flag_mtp_moe_layers
     from ..models.tiny_gpt import build_tiny_gpt
     from ..models.tiny_hybrid import build_tiny_hybrid, build_zoo
+    from ..steps.moe import flag_mtp_moe_layers
 
     settings = dict(scatter_embedding_sequence_parallel=model not in NOT_SCATTERING)
     moe = dict(moe_aux_loss_coeff=AUX_LOSS_COEFF if model in AUX_LOSS_MODELS else 0.0) if model in MOE_MODELS else {}
@@ -209,7 +210,7 @@ def build(model, *, sequence_parallel=False, seed=1234, mtp_moe_flag=False):
         if pipeline.size() > 1 and builder is build_tiny_hybrid:
             settings["hybrid_layer_pattern"] = PIPELINED_PATTERN
         built = builder(seed=seed, sequence_parallel=sequence_parallel, calculate_per_token_loss=True, **settings,
-                        **moe)
+                        **moe, **overrides)
     if mtp_moe_flag:
         flag_mtp_moe_layers(built)
     return built

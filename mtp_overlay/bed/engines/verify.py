@@ -10,8 +10,9 @@ over CP, mapped back to each sequence through the microbatch's slot map), the re
 MTP block's, each MTP layer's and the rest's gradients against the reference, and the parity
 table's max |Δgrad|. A step is the parity table's (`parity.run_step`: one engine, two faces).
 
-Requests (`Engine.request`): ``describe`` (a provider given by its module path: its fields, for the
-product to shrink; its family) and ``run``: jobs of ``(layout, [(case name, fixes), ...])``. The
+Requests and answers (`Engine.request`; their types: `mtp_overlay.verification.plan`, which the product
+imports too): ``describe`` (a provider given by its module path: its fields, for the product to
+shrink; its family) and ``run``: jobs of ``(layout, [(case name, fixes), ...])``. The
 layout ``"reference"`` is each sequence alone, unpacked, TP1, stock; its gradients are kept for
 every later case. Each job sets its layout up over the same ranks (model parallelism destroyed and
 initialised again, the rest data parallel, fed the same microbatch: a replica's gradients are the
@@ -35,10 +36,12 @@ import os
 import sys
 import time
 
+from ...verification.plan import LOSSES  # verify's --loss -> (MegatronStep's loss shape, calculate_per_token_loss)
 from .verify_model import PlanError, check_buildable, describe, family, provided, provider_of
 
-# verify's --loss -> (MegatronStep's loss shape, calculate_per_token_loss)
-LOSSES = {"per-token": ("3-output", True), "3-output": ("3-output", False), "2-output": ("2-output", False)}
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from ...verification.plan import Answer, CaseAnswer, DescribeRequest, Job, Plan, RunRequest
 
 
 def build(plan, sequence_parallel):
@@ -246,7 +249,7 @@ def model_parallel(layout, seed):
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
-def run_cases(plan, jobs):
+def run_cases(plan: "Plan", jobs: "list[Job]") -> "list[dict[str, object]] | dict[str, str] | None":
     """Rank worker: each job ``(layout, [(name, fixes), ...])`` in order: the layout set up, its model built
     once, each case one step with exactly its fixes installed (`parity.run_step`) and MTP recorded.
     On global rank 0 one dict per case (the reference's with the facts of what was built and its MTP
@@ -370,7 +373,7 @@ def gradient_errors(step, reference, sizes):
     return errors
 
 
-def summarise(case, reference):
+def summarise(case: "dict[str, object]", reference: "dict[str, object]") -> "CaseAnswer":
     """A case's JSON row: losses, counts, trained triples, gradient errors against ``reference`` (the
     reference case, with its ``mtp_sizes``)."""
     row = {key: case[key] for key in ("layout", "case", "fixes", "error", "trained")}
@@ -455,7 +458,7 @@ class Engine:
         self.reference = None
         self.started = False
 
-    def request(self, message):
+    def request(self, message: "DescribeRequest | RunRequest") -> "Answer":
         """``{"op": "describe", "model": ...}`` or ``{"op": "run", "plan": ..., "jobs": ...}``; a dict. The
         first request starts the ranks first: its answer's ``startup`` is the seconds that took."""
         op = message.get("op")
@@ -477,7 +480,7 @@ class Engine:
             answer["startup"] = startup
         return answer
 
-    def _cases(self, plan, jobs):
+    def _cases(self, plan: "Plan", jobs: "list[Job]") -> "Answer":
         jobs = [(layout, [tuple(case) for case in cases]) for layout, cases in jobs]
         names = ", ".join(layout_name(layout) for layout, _ in jobs)
         self.progress(f"{names}: {sum(len(cases) for _, cases in jobs)} step(s) through Megatron's own step")

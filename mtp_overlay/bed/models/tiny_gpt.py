@@ -198,7 +198,9 @@ def train_step(model, batch, **forward_kwargs):
         labels=local["labels"],
         loss_mask=local["loss_mask"],
     )
-    inputs.update(forward_kwargs)
+    # tensors given verbatim go to the model's device too (a CPU mask for a CUDA model)
+    inputs.update({key: value.to(device) if isinstance(value, torch.Tensor) else value
+                   for key, value in forward_kwargs.items()})
     dp_cp = parallel_state.get_data_parallel_group(with_context_parallel=True)
 
     model.zero_grad(set_to_none=True)

@@ -25,9 +25,9 @@ by its file:
 * ``"test bed"``: ``mtp_overlay/bed/`` (the CPU stand-ins, the step's bookkeeping);
 * ``"other"``: everything else (the caller, tests, other packages).
 
-The counter also counts every aten op of the block (`SyncCounter.ops`, by origin and op): on a GPU
-each is a kernel launch or more. On CUDA (``SyncCounter(device="cuda")``) only reads of device tensors
-count (a host tensor's read waits for nothing), and CUDA's own detector
+The counter also counts every aten op of the block (`SyncCounter.ops`, by origin and op; ``op_files``,
+by origin and the file that called it): on a GPU each is a kernel launch or more. On CUDA
+(``SyncCounter(device="cuda")``) only reads of device tensors count (a host tensor's read waits for nothing), and CUDA's own detector
 (``torch.cuda.set_sync_debug_mode("warn")``) runs beside it: `cuda_syncs` holds what it reported, by
 file, and the two must agree. A dispatch mode is per thread: the block's thread counts, the autograd
 engine's backward of CPU work included (it runs on the caller's thread).
@@ -107,6 +107,7 @@ class SyncCounter:
         self.device = device
         self.events = []
         self.ops = collections.Counter()  # (origin, aten op name) -> calls
+        self.op_files = collections.Counter()  # (origin, file of the innermost frame outside torch) -> calls
         self.cuda_syncs = collections.Counter()  # "file:line" -> syncs CUDA's detector reported
         self._saved = []
         self._local = threading.local()
@@ -147,6 +148,7 @@ class SyncCounter:
     def clear(self):
         self.events.clear()
         self.ops.clear()
+        self.op_files.clear()
         self.cuda_syncs.clear()
 
     # --- counting -----------------------------------------------------------------------------------
@@ -208,11 +210,13 @@ class SyncCounter:
     def _dispatched(self, func, args, kwargs):
         """One aten op seen by the mode: counted, and recorded when it reads on the host."""
         frame = self._frame(3)
-        origin = "other" if frame is None else origin_of(frame.f_code.co_filename)
+        path = "<unknown>" if frame is None else frame.f_code.co_filename
+        origin = "other" if frame is None else origin_of(path)
         self.ops[(origin, func.name())] += 1
+        self.op_files[(origin, path)] += 1
         if getattr(self._local, "depth", 0) or not _reads(func, args, kwargs):
             return
-        if self.device == "cuda" and not _on_device(args, kwargs):
+        if self.device == "cuda" and not _read_on_device(func, args, kwargs):
             return
         self._record(func.name(), depth=4)
 
@@ -224,16 +228,34 @@ class SyncCounter:
         def counted(*args, **kwargs):
             if getattr(local, "depth", 0):
                 return function(*args, **kwargs)
-            if reads is None or reads(*args, **kwargs):
+            if (reads is None or reads(*args, **kwargs)) and (self.device != "cuda" or _on_device(args[:1])):
                 self._record(kind)
             local.depth = 1
             try:
-                return function(*args, **kwargs)
+                return self.attributing_cuda_syncs(function, *args, **kwargs)
             finally:
                 local.depth = 0
 
         counted.__wrapped__ = function
         return counted
+
+    def attributing_cuda_syncs(self, function, *args, **kwargs):
+        """``function(*args, **kwargs)``; on CUDA, the syncs CUDA's detector reports inside it are
+        recorded in `cuda_syncs` at the caller outside torch and this module (the detector's warning
+        would name the frame that called into C++: ours)."""
+        if self.device != "cuda":
+            return function(*args, **kwargs)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = function(*args, **kwargs)
+        for warning in caught:
+            if "synchroniz" in str(warning.message):
+                frame = self._frame(2)
+                place = "<unknown>:0" if frame is None else f"{frame.f_code.co_filename}:{frame.f_lineno}"
+                self.cuda_syncs[place] += 1
+            else:
+                warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
+        return out
 
     def _replace(self, owner, name, kind, reads=None):
         if name in vars(owner):
@@ -272,7 +294,7 @@ class _ReadingOps(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         self.counter._dispatched(func, args, kwargs)
-        return func(*args, **kwargs)
+        return self.counter.attributing_cuda_syncs(func, *args, **kwargs)
 
 
 def _reads(func, args, kwargs):
@@ -295,11 +317,25 @@ def _reads(func, args, kwargs):
     return False
 
 
-def _on_device(args, kwargs):
-    """Whether any tensor argument lives on an accelerator (on CUDA, a host tensor's read waits for nothing)."""
-    tensors = [value for value in (*args, *kwargs.values()) if isinstance(value, torch.Tensor)]
-    tensors += [item for value in args if isinstance(value, (list, tuple)) for item in value if isinstance(item, torch.Tensor)]
-    return any(tensor.device.type != "cpu" for tensor in tensors)
+def _read_on_device(func, args, kwargs):
+    """Whether the tensor whose values ``func`` reads lives on an accelerator (on CUDA, reading a host
+    tensor waits for nothing): the indices of a boolean index, the repeats, the source of a copy,
+    else the first argument."""
+    packet = func.overloadpacket
+    if packet in (_aten.index, _aten.index_put_, _aten.index_put, _aten._index_put_impl_):
+        read = [index for index in (args[1] if len(args) > 1 else kwargs.get("indices", ())) if index is not None]
+    elif packet is _aten.repeat_interleave:
+        read = [args[-1] if func is _aten.repeat_interleave.Tensor else args[1]]
+    elif packet is _aten.copy_:
+        read = [args[1]]
+    else:
+        read = [args[0]] if args else []
+    return _on_device(read)
+
+
+def _on_device(tensors):
+    """Whether any of ``tensors`` (other values ignored) lives on an accelerator."""
+    return any(isinstance(tensor, torch.Tensor) and tensor.device.type != "cpu" for tensor in tensors)
 
 
 def _to_host(self, *args, **kwargs):

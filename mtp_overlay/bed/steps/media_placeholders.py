@@ -19,6 +19,8 @@ from . import vllm_serving as vs
 
 PLACEHOLDER = "<image>"
 SEED_TEXTS = ["<image> what is in this <image> picture ?"]  # the seeds' 601-vs-600 rows: two literal, one image
+# a tokenized prompt's words, 2 placeholders (the first typed in the question) for 1 image
+TYPED_PROMPT = ("user", ":", "what", "is", "<image>", "in", "this", "<image>", "picture", "?")
 # Nemotron Omni's rule, written for a tiny model (see the module docstring)
 SEED_RULE_TEMPLATE = (
     "{% for m in messages %}{{ m['role'] }} :"
@@ -93,6 +95,7 @@ class VllmChat:
         server = vs.Server.for_model(folder)
         online = server.build("OnlineRenderer", chat_template=None)
         self.chat = server.build("OpenAIServingChat", online_renderer=online, chat_template=None)
+        self.renderer = server.renderer
         self.placeholder_id = vs.WORDS.index(PLACEHOLDER)
 
     def render(self, messages):
@@ -104,6 +107,21 @@ class VllmChat:
             return {"error": f"{type(exc).__name__}: {exc}"}
         return {"placeholders": prompt.count(PLACEHOLDER), "items": len(placeholders.get("image", [])),
                 "image_tokens": ids.count(self.placeholder_id)}
+
+    def render_tokens(self, words, images):
+        """A tokenized prompt (the ids of ``words``) with ``images`` images, rendered by vLLM's renderer as
+        ``LLM.generate`` passes it: ``{"ids": prompt token ids, "images": [(offset, length) of each image
+        bound]}``, or ``{"error": ...}`` when vLLM refuses it."""
+        from PIL import Image
+
+        prompt = {"prompt_token_ids": [vs.WORDS.index(word) for word in words],
+                  "multi_modal_data": {"image": [Image.new("RGB", (vs.IMAGE_SIDE,) * 2)] * images}}
+        try:
+            [rendered] = self.renderer.render_cmpl([prompt])
+        except Exception as exc:  # vLLM's refusal is the observation
+            return {"error": f"{type(exc).__name__}: {exc}"}
+        return {"ids": list(rendered["prompt_token_ids"]),
+                "images": [(p.offset, p.length) for p in rendered["mm_placeholders"].get("image", [])]}
 
 
 @contextlib.contextmanager

@@ -34,8 +34,8 @@ PROVIDER = "HybridModelProvider"
 PATTERNS = ("hybrid_layer_pattern", "hybrid_override_pattern")  # the main pattern's field, and its deprecated name
 MTP_PATTERN = "mtp_hybrid_override_pattern"
 # a tiny repeated-layer provider with MTP off: one attention and one MLP layer, the same as its MTP layer
-PROBE = dict(hybrid_layer_pattern="*-", mtp_hybrid_override_pattern="*-", mtp_use_repeated_layer=True, mtp_num_layers=0,
-             hidden_size=8, ffn_hidden_size=16, num_attention_heads=1, vocab_size=8)
+PROBE: "dict[str, Any]" = dict(hybrid_layer_pattern="*-", mtp_hybrid_override_pattern="*-", mtp_use_repeated_layer=True,
+                               mtp_num_layers=0, hidden_size=8, ffn_hidden_size=16, num_attention_heads=1, vocab_size=8)
 
 
 def _finalize(module: "ModuleType") -> "tuple[Any, Callable[..., Any] | None]":
@@ -55,8 +55,9 @@ def mtp_off(provider: "Any") -> bool:
     any of them; Bridge's own ``mtp_num_layers or 0`` treats each as 0); None means "as the pattern says"."""
     import numbers
 
-    value = getattr(provider, "mtp_num_layers", None)
-    return isinstance(value, numbers.Number) and value == 0
+    value: "Any" = getattr(provider, "mtp_num_layers", None)
+    # numbers.Number declares no __eq__ of its own: mypy would call the comparison always False
+    return isinstance(value, numbers.Number) and value == 0  # type: ignore[comparison-overlap]
 
 
 def _probe_provider(cls: "Any") -> "Any":
@@ -65,7 +66,8 @@ def _probe_provider(cls: "Any") -> "Any":
     import dataclasses
 
     fields = {field.name: field for field in dataclasses.fields(cls)}
-    quiet = {name: False for name, field in fields.items() if "fusion" in name and field.type in (bool, "bool")}
+    quiet: "dict[str, object]" = {name: False for name, field in fields.items()
+                                  if "fusion" in name and field.type in (bool, "bool")}
     if "cuda_graph_modules" in fields:
         quiet["cuda_graph_modules"] = []
     return cls(**PROBE, **quiet)

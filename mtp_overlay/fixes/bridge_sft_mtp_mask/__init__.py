@@ -134,7 +134,7 @@ def _model_positions(model: "Any") -> "dict[str, int] | None":
 
     cls = type(model)
     if cls not in _forward_positions:
-        forward = getattr(cls, "forward", None)
+        forward: "Any" = getattr(cls, "forward", None)
         parameters = inspect.signature(original(forward)).parameters if forward is not None else {}
         takes = "labels" in parameters and LOSS_MASK in parameters
         _forward_positions[cls] = positions(forward, method=True) if takes else None

@@ -219,8 +219,10 @@ class DeviceNormalizedBroadcastFix(Fix):
         path = one_by_one_path(module) if self.role_of(module) == "nccl_engine" else None
         functions = [getattr(path[0], path[1])] if path else [vars(module)[n] for n in PRODUCERS if n in vars(module)]
         for function in functions:
-            if hasattr(function, "__code__") and Marker(module.__name__, function.__qualname__, self.marker.calls).in_function(function):
-                return function.__qualname__
+            qualname: str = getattr(function, "__qualname__", "")
+            marker = Marker(module.__name__, qualname, self.marker.calls)
+            if hasattr(function, "__code__") and marker.in_function(function):
+                return qualname
         return None
 
     def probe(self, module: "ModuleType") -> Verdict:

@@ -31,7 +31,7 @@ from .declaration import DECLARATION
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterator
+    from collections.abc import Callable, Iterable, Iterator
     from types import ModuleType
     from typing import Any
 
@@ -43,14 +43,14 @@ JOB_CONFIG_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"
 SETUP_HOOK_ENV = "__RAY_WORKER_PROCESS_SETUP_HOOK_ENV_VAR"
 
 
-def hf_home():
+def hf_home() -> str:
     """``HF_HOME`` as huggingface_hub resolves it (``~`` and ``$VARS`` expanded), made absolute."""
     cache = os.environ.get("XDG_CACHE_HOME", os.path.join(os.path.expanduser("~"), ".cache"))
     default = os.path.join(cache, "huggingface")
     return os.path.abspath(os.path.expandvars(os.path.expanduser(os.environ.get("HF_HOME", default))))
 
 
-def modules_folder():
+def modules_folder() -> str:
     """The folder transformers writes trust_remote_code modules to, as an absolute path.
 
     The loaded transformers' own constant when there is one (it read the environment at its import,
@@ -61,14 +61,14 @@ def modules_folder():
     the working directory. Matching that exactly is the point: workers must look where the driver wrote.
     """
     for name in ("transformers.dynamic_module_utils", "transformers.utils.hub"):
-        folder = getattr(sys.modules.get(name), "HF_MODULES_CACHE", None)
-        if folder is not None:
-            return os.path.abspath(folder)
+        constant: "str | None" = getattr(sys.modules.get(name), "HF_MODULES_CACHE", None)
+        if constant is not None:
+            return os.path.abspath(constant)
     folder = os.environ.get("HF_MODULES_CACHE")
     return os.path.abspath(os.path.join(hf_home(), "modules") if folder is None else folder)
 
 
-def unsafe_reason(folder):
+def unsafe_reason(folder: str) -> "str | None":
     """Why ``folder`` must not go on an import path, or None.
 
     On ``PYTHONPATH`` the folder comes before the standard library in every child, so whoever can add a
@@ -106,12 +106,12 @@ def unsafe_reason(folder):
         path = parent
 
 
-def _on_path(folder, entries):
+def _on_path(folder: str, entries: "Iterable[str]") -> bool:
     real = os.path.realpath(folder)
     return any(entry and os.path.realpath(entry) == real for entry in entries)
 
 
-def _ensure_directory(folder):
+def _ensure_directory(folder: str) -> None:
     # A missing sys.path entry is cached as "no finder" at the next import and never looked at
     # again: a worker started before the driver's first remote-code load would then miss the
     # package for good. Create it as transformers' init_hf_modules would.
@@ -130,13 +130,13 @@ class SetupHookChain:
     ``"module.function"`` path, as Ray accepts). Pickled by Ray with cloudpickle, so it ships to
     workers with the user's hook inside."""
 
-    def __init__(self, user_hook):
+    def __init__(self, user_hook: "Callable[[], object] | str") -> None:
         self.user_hook = user_hook
         self.__name__ = f"hf_modules_cache_then_{getattr(user_hook, '__name__', user_hook)}"
 
-    def __call__(self):
+    def __call__(self) -> object:
         worker_process_setup()
-        hook = self.user_hook
+        hook: "Any" = self.user_hook
         if isinstance(hook, str):
             import importlib
 
@@ -171,7 +171,7 @@ def user_runtime_env(kwargs: "dict[str, Any]") -> "dict[str, Any]":
     return runtime_env
 
 
-def _job_runtime_env():
+def _job_runtime_env() -> "dict[str, Any]":
     # in a `ray job submit` entrypoint, ray.init merges the job's runtime_env with the driver's and
     # raises on any shared env var or field: those belong to the job and are left alone
     raw = os.environ.get(JOB_CONFIG_ENV)
@@ -179,10 +179,11 @@ def _job_runtime_env():
         return {}
     import json
 
-    return json.loads(raw).get("runtime_env") or {}
+    found: "dict[str, Any]" = json.loads(raw).get("runtime_env") or {}
+    return found
 
 
-def worker_env_vars(folder):
+def worker_env_vars(folder: str) -> "dict[str, str]":
     """What workers need to resolve and import ``folder``: nothing else of the driver's environment.
 
     ``HF_HOME`` only when the driver sets it, so a cluster's own setting is not replaced by a default.
@@ -193,7 +194,7 @@ def worker_env_vars(folder):
     return env
 
 
-def with_worker_setup(runtime_env, folder):
+def with_worker_setup(runtime_env: "dict[str, Any] | None", folder: str) -> "dict[str, Any]":
     """A copy of ``runtime_env`` that brings ``folder`` to every worker; user values win key by key."""
     import copy
 
@@ -274,7 +275,7 @@ FIX = ModulesCacheFix()
 _PATH_LOCK = RLock()
 
 
-def worker_process_setup():
+def worker_process_setup() -> None:
     """Ray ``worker_process_setup_hook``: the driver's modules folder (forwarded in the job's
     ``HF_MODULES_CACHE``) on this worker's path before it deserializes any argument."""
     FIX.add_to_import_path(modules_folder())

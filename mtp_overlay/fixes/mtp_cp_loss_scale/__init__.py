@@ -137,16 +137,16 @@ def _config_view(config: "Any", counts: _Counts) -> "Any":
         import wrapt
 
         class CountedConfig(wrapt.ObjectProxy):
-            def __init__(self, config, counts):
+            def __init__(self, config: "Any", counts: "Any") -> None:
                 super().__init__(config)
                 self._self_counts = counts
 
             @property
-            def calculate_per_token_loss(self):
+            def calculate_per_token_loss(self) -> bool:
                 return False
 
             @property
-            def mtp_loss_scaling_factor(self):
+            def mtp_loss_scaling_factor(self) -> "Any":
                 counts = self._self_counts
                 factor = self.__wrapped__.mtp_loss_scaling_factor
                 return factor * (counts.original_total if counts.per_token else counts.size)
@@ -216,8 +216,8 @@ class CPLossScaleFix(Fix):
                 return rolled, count
             totals = torch.stack([counts.original.to(count.dtype), count])
             torch.distributed.all_reduce(totals, group=counts.group)
-            counts.original_total = totals[0]
-            return rolled, totals[1]
+            counts.original_total, total = totals.unbind()
+            return rolled, total
 
         def save_metrics_to_tracker(wrapped: "Callable[..., Any]", instance: "Any", args: "tuple[Any, ...]",
                                     kwargs: "dict[str, Any]") -> "Any":

@@ -28,4 +28,5 @@ DECLARATION = Declaration(
     after=("mtp-packed-roll",),
     # its CP all-reduce must run on every rank of the group, as must theirs (fixes/peers.py)
     reads=("mtp-loss-mask", "mtp-packed-roll"),
+    collective=True,
 )

@@ -93,7 +93,7 @@ class LossMaskFix(Fix):
 
     def wrappers(self, module: "ModuleType") -> "Iterator[tuple[object, str, Callable[..., Any]]]":
         from ... import mtp
-        from ..mtp_multimodal.scope import inject  # fix mtp-multimodal's combined inputs: this same wrapper
+        from ..combined_inputs import inject  # fix mtp-multimodal's combined inputs: this same wrapper
 
         global _alignment_checked
         peers.forget()  # installed (again): its groups agree afresh, its first RL forward is checked
@@ -107,6 +107,11 @@ class LossMaskFix(Fix):
 
         def forward_with_loss_mask(wrapped: "Callable[..., Any]", instance: "Any", args: "tuple[Any, ...]",
                                    kwargs: "dict[str, Any]") -> "Any":
+            with mtp.packing.forward_scope():  # the packed boundaries' plan: once for the checks and every roll
+                return routed(wrapped, instance, args, kwargs)
+
+        def routed(wrapped: "Callable[..., Any]", instance: "Any", args: "tuple[Any, ...]",
+                   kwargs: "dict[str, Any]") -> "Any":
             args, kwargs = inject(instance, args, kwargs, at)  # a multimodal forward's combined ids and mask
             loss_mask, scoped, aligned = read(args, kwargs, "loss_mask"), mtp.scoped_loss_mask(), mtp.scoped_alignment()
             mtp_on = mtp.mtp_enabled(instance)

@@ -18,4 +18,5 @@ DECLARATION = Declaration(
     # unpadded packed boundaries are fine only where mtp-packed-roll makes the roll use the padded ones
     # and every rank of a CP group must run the same collective fixes (fixes/peers.py)
     reads=("mtp-packed-roll", "mtp-cp-loss-scale"),
+    collective=True,
 )

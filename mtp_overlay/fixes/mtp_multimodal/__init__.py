@@ -10,8 +10,8 @@ already have the combined length. The MTP block embeds the *ids* of the next pos
 would still train on every slot, images included, for lack of the mask.
 
 Per target model (`llava`, `mimo`: how each builds and slices them), the hooks put the combined ids
-and mask, in the language model's exact CP layout, in a `scope.Combined` for the call; the
-GPTModel/HybridModel forward (mtp-loss-mask's hook, which calls `scope.inject` first) hands them to
+and mask, in the language model's exact CP layout, in a `combined_inputs.Combined` for the call; the
+GPTModel/HybridModel forward (mtp-loss-mask's hook, which calls `combined_inputs.inject` first) hands them to
 the language model where its call passes none. Megatron then rolls both with the labels
 (``process_mtp_loss``): MTP depth k at slot p trains ``labels[p+k]`` where the combined mask allows,
 so no image slot is ever an MTP target; without labels (RL) it derives them from the combined ids and
@@ -41,10 +41,13 @@ class MultimodalFix(Fix):
     declaration = DECLARATION  # targets "llava" (LLaVAModel) and "mimo" (MimoModel)
 
     def probe(self, module: "ModuleType") -> Verdict:
-        return MODELS[self.role_of(module)].probe(module)
+        verdict: Verdict = MODELS[self.role_of(module)].probe(module)
+        return verdict
 
     def wrappers(self, module: "ModuleType") -> "Iterator[tuple[object, str, Callable[..., Any]]]":
-        return MODELS[self.role_of(module)].wrappers(module, self.check_loss_mask_hook)
+        found: "Iterator[tuple[object, str, Callable[..., Any]]]" = MODELS[self.role_of(module)].wrappers(
+            module, self.check_loss_mask_hook)
+        return found
 
     def check_loss_mask_hook(self) -> None:
         """RuntimeError unless fix mtp-loss-mask's forward hook, which hands the combined inputs to the

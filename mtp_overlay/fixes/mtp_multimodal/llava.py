@@ -1,6 +1,6 @@
 """LLaVAModel (``models/multimodal/llava_model.py``, megatron-core 0.19.x): the probe and the wrappers.
 
-* ``forward``: when the language model has MTP layers, opens a `scope.Combined` for the call;
+* ``forward``: when the language model has MTP layers, opens a `combined_inputs.Combined` for the call;
 * ``_preprocess_data``: after upstream's, the combined ids (`combined.place`: the text ids at their
   slots, `combined.fill_id` at image and padding slots) and the mask: with labels, upstream's own
   label-aligned ``new_loss_mask`` (0 at image slots and before each image, :706-725); without labels
@@ -20,7 +20,7 @@ megatron-core 0.18.x has the same ``llava_model.py``, but its MTP ``roll_tensor`
 from ...calls import argument, original, positions
 from ...contract import Verdict, defined_in, drifted, needed, redundant
 from .combined import fill_id, pad_to_multiple, place, text_slots
-from .scope import Combined, of, opened
+from ..combined_inputs import Combined, of, opened
 from .source import read_calls, verdict_parts
 
 TYPE_CHECKING = False
@@ -57,7 +57,7 @@ def rolls_none() -> bool:
     from megatron.core.transformer import multi_token_prediction
 
     try:
-        return multi_token_prediction.roll_tensor(None, shifts=-1, dims=-1) == (None, None)
+        return bool(multi_token_prediction.roll_tensor(None, shifts=-1, dims=-1) == (None, None))
     except (TypeError, AttributeError):
         return False
 
@@ -106,7 +106,7 @@ def probe(module: "ModuleType") -> Verdict:
 def wrappers(module: "ModuleType", check: "Callable[[], None]") -> "Iterator[tuple[object, str, Callable[..., Any]]]":
     """The three LLaVAModel wrappers; ``check`` raises unless the hook that injects is installed."""
     cls = defined_in(module, [MODEL])
-    methods = stock_methods(cls)
+    methods: "dict[str, Any]" = stock_methods(cls)  # probed first: every method is there
     preprocess_at = positions(methods["_preprocess_data"], method=True)
     parallel_at = positions(methods["_process_embedding_token_parallel"], method=True)
     forward_at = positions(methods["forward"], method=True)

@@ -5,7 +5,7 @@ embedding (``align_embeddings_by_token_positions``, :144-210). Both of its langu
 (``_forward_all_modules`` :845-853, ``_forward_language_module`` :695-703, :725-733) still call the
 language model with ``input_ids=None`` and no ``loss_mask``. So:
 
-* ``forward``: when the language model has MTP layers, opens a `scope.Combined` holding the ids
+* ``forward``: when the language model has MTP layers, opens a `combined_inputs.Combined` holding the ids
   (``input_ids``; a special token that is no vocabulary id becomes 0, `combined.fill_id`'s rule) and
   the mask: the caller's ``loss_mask`` (without labels: input-aligned, or the
   `mtp_overlay.mtp.loss_mask_scope` mask, all ones without either), 0 at every modality slot and,
@@ -19,7 +19,7 @@ The language model's forward (mtp-loss-mask's hook) injects them, as for LLaVAMo
 
 from ...calls import argument, original, positions
 from ...contract import Verdict, defined_in, drifted, needed, redundant
-from .scope import Combined, of, opened
+from ..combined_inputs import Combined, of, opened
 from .source import missing_inputs, read_calls, verdict_parts
 
 TYPE_CHECKING = False

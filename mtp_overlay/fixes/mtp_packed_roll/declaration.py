@@ -27,4 +27,5 @@ DECLARATION = Declaration(
     marker=Marker(MTP, "roll_tensor", "cu_seqlens_q_padded"),
     # its CP all-gather must run on every rank of the group, as must theirs (fixes/peers.py)
     reads=("mtp-loss-mask", "mtp-cp-loss-scale"),
+    collective=True,
 )

@@ -15,60 +15,84 @@ is zeroed, padding included (Megatron-LM #7278): ``[1,1,1,1,1,1,1,0]`` rolls to
 ``[1,1,1,1,1,1,0,0]``, so a pad token is never a label and a mask that is nonzero on padding never
 trains it.
 
-Where each slot goes is worked out at every call, on the tensor's device, from the boundaries the
-call gives (`mtp_overlay.mtp.packing.chunk_runs` and `covered`: a few ops over the sequences and
-one cumulative sum over the row, static shapes, no host read). Nothing is cached:
-a plan cached by the boundary tensor's identity and version went stale when a collective, numpy or
-``.data`` rewrote a reused buffer, and inference tensors have no version at all. The boundaries'
+Where each slot goes is worked out on the tensor's device from the boundaries the call gives
+(`mtp_overlay.mtp.packing.row_plan` and `covered`: a few ops over the sequences and one cumulative
+sum over the row, static shapes, no host read), once per model forward (the forward scope
+mtp-loss-mask's hook opens, `mtp_overlay.mtp.packing.forward_scope`): every roll of every MTP depth
+shares it, then a roll is ``torch.roll`` and one ``masked_fill_`` (under CP, the splice too). Nothing
+is kept past the forward: a plan cached by the boundary tensor's identity and version went stale
+when a collective, numpy or ``.data`` rewrote a reused buffer between steps, and inference tensors
+have no version at all. The boundaries'
 validity is asserted on the device (`mtp_overlay.mtp.checks`); ``MTP_OVERLAY_CHECKS=full`` checks
 them on the host first, with a ValueError naming the argument.
 """
 
+from typing import NamedTuple
+
 import torch
 
 from ...mtp import checks
-from ...mtp.packing import assert_boundaries, boundary_tensor, chunk_runs, covered
+from ...mtp.packing import boundary_tensor, covered, per_forward, row_plan
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
 
 REAL, PADDED = "packed_seq_params.cu_seqlens_q", "packed_seq_params.cu_seqlens_q_padded"
 
 
-def roll_packed(tensor, cu_seqlens_q, cu_seqlens_q_padded=None, cp_group=None, cp_size=1, cp_rank=0):
+def roll_packed(tensor: "torch.Tensor", cu_seqlens_q: "torch.Tensor", cu_seqlens_q_padded: "torch.Tensor | None" = None,
+                cp_group: "Any" = None, cp_size: int = 1, cp_rank: int = 0) -> "torch.Tensor":
     """``tensor`` [..., L], a CP-local packed row, rolled left by one within its padded sequences.
 
     ``cu_seqlens_q``: the real boundaries; ``cu_seqlens_q_padded``: those the row is laid out on
     (None: the real ones); both [n+1] integer tensors (any device: they are moved to the tensor's)
     or sequences of ints, in full-row positions. Under CP (``cp_size`` > 1) one all-gather of the
-    chunk-first elements over ``cp_group``.
+    chunk-first elements over ``cp_group``. Within a `mtp_overlay.mtp.packing.forward_scope` the
+    plan (`_RollPlan`) is worked out once for every roll of the forward.
     """
     length, device = tensor.shape[-1], tensor.device
-    real = boundary_tensor(cu_seqlens_q, REAL, device)
-    padded = real if cu_seqlens_q_padded is None else boundary_tensor(cu_seqlens_q_padded, PADDED, device)
-    if padded.numel() != real.numel():
-        shorter = "shorter than" if padded.numel() < real.numel() else "longer than"
-        raise ValueError(
-            f"{PADDED} has {padded.numel()} entries, {shorter} cu_seqlens_q ({real.numel()}): both must be "
-            "[n+1], one start per packed sequence plus the end"
-        )
     if checks.full():
-        check_boundaries(real, padded, length, cp_size)
-    else:
-        assert_boundaries(padded, length, cp_size, PADDED if cu_seqlens_q_padded is not None else REAL,
-                          None if cu_seqlens_q_padded is None else real, REAL)
+        real = boundary_tensor(cu_seqlens_q, REAL, device)
+        padded = real if cu_seqlens_q_padded is None else boundary_tensor(cu_seqlens_q_padded, PADDED, device)
+        if padded.numel() == real.numel():  # else row_plan names the mismatch
+            check_boundaries(real, padded, length, cp_size)
+    plan = per_forward(("roll", length, cp_size, cp_rank, str(device)), (cu_seqlens_q, cu_seqlens_q_padded),
+                       lambda: _plan(cu_seqlens_q, cu_seqlens_q_padded, length, cp_size, cp_rank, device))
     rolled = torch.roll(tensor, shifts=-1, dims=-1)
     if length == 0:  # nothing to roll; under CP every rank's row is empty (same boundaries)
         return rolled
-    starts, lengths, offsets = chunk_runs(padded, cp_size, cp_rank)
-    with_next = (real[1:] - real[:-1] - 1).clamp(min=0)  # positions 0 .. L-2 of a sequence have a real next token
     if cp_size > 1:
-        with_next = torch.stack([with_next, with_next], 1).flatten()
-        rolled = _splice_neighbours(tensor, rolled, starts, lengths, cp_group, cp_size, cp_rank)
+        rolled = _splice_neighbours(tensor, rolled, plan, cp_group, cp_size, cp_rank)
+    return rolled.masked_fill_(plan.cut, 0)
+
+
+class _RollPlan(NamedTuple):
+    """Where the slots of one packed row go: ``cut`` (bool [L]) the slots zeroed after the roll;
+    under CP ``firsts`` (each chunk's first slot), ``front_lasts`` / ``back_lasts`` (the last slot of
+    each front / back chunk, or the scratch slot L of an empty one)."""
+
+    cut: torch.Tensor
+    firsts: torch.Tensor | None
+    front_lasts: torch.Tensor | None
+    back_lasts: torch.Tensor | None
+
+
+def _plan(cu_seqlens_q: "torch.Tensor", cu_seqlens_q_padded: "torch.Tensor | None", length: int, cp_size: int,
+          cp_rank: int, device: "torch.device") -> _RollPlan:
+    plan = row_plan(cu_seqlens_q, cu_seqlens_q_padded, length, cp_size, cp_rank, device, (REAL, PADDED))
     # slot j of a run sits at place offset + j of its sequence: it keeps a value while that place has
-    # a real next token
-    live = torch.minimum((with_next - offsets).clamp(min=0), lengths)
-    return rolled.masked_fill_(~covered(starts, live, length), 0)
+    # a real next token (positions 0 .. L-2 of a sequence)
+    live = torch.minimum((plan.real_lengths - 1 - plan.offsets).clamp(min=0), plan.lengths)
+    cut = ~covered(plan.starts, live, length)
+    if cp_size == 1:
+        return _RollPlan(cut, None, None, None)
+    lasts = torch.where(plan.lengths > 0, plan.starts + plan.lengths - 1, length)
+    return _RollPlan(cut, plan.starts.clamp(max=length - 1), lasts[0::2], lasts[1::2])
 
 
-def _splice_neighbours(tensor, rolled, starts, lengths, cp_group, cp_size, cp_rank):
+def _splice_neighbours(tensor: "torch.Tensor", rolled: "torch.Tensor", plan: "_RollPlan", cp_group: "Any",
+                       cp_size: int, cp_rank: int) -> "torch.Tensor":
     """``rolled`` with the last slot of each chunk set to the first element of the next chunk.
 
     Chunk firsts and lasts are indexed by sequence (static shapes); an empty sequence's index points
@@ -76,20 +100,21 @@ def _splice_neighbours(tensor, rolled, starts, lengths, cp_group, cp_size, cp_ra
     the host.
     """
     length = tensor.shape[-1]
-    sent = tensor.index_select(-1, starts.clamp(max=length - 1)).contiguous()  # front, back firsts interleaved
+    firsts, front_lasts, back_lasts = plan.firsts, plan.front_lasts, plan.back_lasts
+    assert firsts is not None and front_lasts is not None and back_lasts is not None  # a CP plan has them
+    sent = tensor.index_select(-1, firsts).contiguous()  # front, back firsts interleaved
     gathered = sent.new_empty(cp_size * sent.numel())
     _all_gather(gathered, sent.view(-1), cp_group)
     gathered = gathered.view((cp_size,) + tuple(sent.shape))
-    lasts = torch.where(lengths > 0, starts + lengths - 1, length)
     spliced = torch.cat([rolled, rolled.new_zeros(rolled.shape[:-1] + (1,))], -1)
     if cp_rank < cp_size - 1:  # front chunk r continues in chunk r + 1: rank r + 1's front chunk
-        spliced.index_copy_(-1, lasts[0::2], gathered[cp_rank + 1][..., 0::2])
+        spliced.index_copy_(-1, front_lasts, gathered[cp_rank + 1][..., 0::2])
     if cp_rank > 0:  # back chunk 2cp-1-r continues in chunk 2cp-r: rank r - 1's back chunk
-        spliced.index_copy_(-1, lasts[1::2], gathered[cp_rank - 1][..., 1::2])
+        spliced.index_copy_(-1, back_lasts, gathered[cp_rank - 1][..., 1::2])
     return spliced[..., :length].contiguous()
 
 
-def roll_unpacked_cp(tensor, cp_group, cp_size, cp_rank):
+def roll_unpacked_cp(tensor: "torch.Tensor", cp_group: "Any", cp_size: int, cp_rank: int) -> "torch.Tensor":
     """Unpacked rows under CP, each row one sequence whose two local chunks are the halves of the
     local row: stock's values, one all-gather over ``cp_group``; every index a Python int."""
     length = tensor.shape[-1]
@@ -105,7 +130,7 @@ def roll_unpacked_cp(tensor, cp_group, cp_size, cp_rank):
     return rolled
 
 
-def check_boundaries(real, padded, length, cp_size):
+def check_boundaries(real: "torch.Tensor", padded: "torch.Tensor", length: int, cp_size: int) -> None:
     """``MTP_OVERLAY_CHECKS=full``: the boundaries checked on the host, ValueError naming the argument."""
     real_name, padded_name = REAL, PADDED if padded is not real else REAL
     for cu, name in ((real, real_name), (padded, padded_name)):
@@ -139,6 +164,6 @@ def check_boundaries(real, padded, length, cp_size):
         )
 
 
-def _all_gather(output, tensor, group):
+def _all_gather(output: "torch.Tensor", tensor: "torch.Tensor", group: "Any") -> None:
     gather = getattr(torch.distributed, "all_gather_single", None) or torch.distributed.all_gather_into_tensor
     gather(output, tensor, group=group)

@@ -58,7 +58,7 @@ def embedding_scatters(embedding: object) -> bool:
 def _scatter_function(module: "ModuleType") -> "Callable[..., Any]":
     # resolved at call time through the target module's own global, as upstream does, so a test
     # that monkeypatches that name sees it; releases without the global fall back to tensor_parallel
-    scatter = getattr(module, SCATTER, None)
+    scatter: "Callable[..., Any] | None" = getattr(module, SCATTER, None)
     if scatter is None:
         from megatron.core import tensor_parallel
 

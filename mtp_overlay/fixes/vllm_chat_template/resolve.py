@@ -27,12 +27,17 @@ from pathlib import Path
 
 from ...contract import OverlayWarning
 
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from typing import Any
+
 NATIVE, LEGACY = "default_chat_template_kwargs", "chat_template_kwargs"
 LOADER_MODULES = ("vllm.renderers.chat_utils", "vllm.entrypoints.chat_utils")  # vLLM 0.33.0, 0.25.1
 UNCACHED_LOADER = "_load_chat_template"
 
 
-def vllm_loader():
+def vllm_loader() -> "Callable[[str | Path | None], str | None] | None":
     """vLLM's chat-template loader without its cache: ``_load_chat_template``, the body of the
     ``load_chat_template`` its CLI calls (``_cached_load_chat_template = lru_cache(_load_chat_template)``:
     vLLM 0.33.0 ``renderers/chat_utils/chat_template.py:56,104``, 0.25.1 ``entrypoints/chat_utils.py:1284,1332``),
@@ -45,23 +50,24 @@ def vllm_loader():
         loader = getattr(module, "load_chat_template", None)
         if loader is not None:
             home = sys.modules.get(getattr(loader, "__module__", ""), module)
-            uncached = getattr(home, UNCACHED_LOADER, None)
+            uncached: "Any" = getattr(home, UNCACHED_LOADER, None)
             return uncached if callable(uncached) else None
     return None
 
 
-def _brief(value, limit=80):
+def _brief(value: object, limit: int = 80) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def load_template(value, consumer):
+def load_template(value: object, consumer: str) -> "str | None":
     """The template text ``value`` stands for, as `vllm serve` resolves ``--chat-template``.
 
     A str goes to vLLM's loader as it is (a readable file is read, Jinja text comes back unchanged,
     a bare name is looked up among vLLM's built-in templates); an os.PathLike is always a file. What
     the loader cannot read is a ValueError naming ``chat_template``, chained to the loader's error.
     """
+    source: "str | Path | None"
     if value is None or isinstance(value, str):
         source = value
     elif isinstance(value, os.PathLike) and isinstance(os.fspath(value), str):
@@ -74,7 +80,7 @@ def load_template(value, consumer):
     from vllm.exceptions import VLLMValidationError  # no ValueError from vLLM 0.27 on
 
     try:
-        return vllm_loader()(source)
+        return vllm_loader()(source)  # type: ignore[misc]  # found: vLLM imported just above
     except UnicodeDecodeError as exc:
         reason = f"its bytes are not {exc.encoding} text ({exc.reason} at byte {exc.start})"
         raise ValueError(_load_failure(consumer, value, reason)) from exc
@@ -82,14 +88,14 @@ def load_template(value, consumer):
         raise ValueError(_load_failure(consumer, value, f"{type(exc).__name__}: {exc}")) from exc
 
 
-def _load_failure(consumer, value, reason):
+def _load_failure(consumer: str, value: object, reason: str) -> str:
     return (
         f"{consumer}: chat_template={value!r} cannot be loaded: {reason}; expected Jinja text or the path "
         "of a readable UTF-8 template file"
     )
 
 
-def template_kwargs(native, legacy, consumer):
+def template_kwargs(native: object, legacy: object, consumer: str) -> "dict[str, Any] | None":
     """The default template kwargs given as ``default_chat_template_kwargs`` (``native``) or its legacy
     spelling ``chat_template_kwargs``, as a new dict; None when neither carries a value."""
     name, value = NATIVE, native
@@ -114,8 +120,9 @@ class _Server:
 
     __slots__ = ("values", "consumers")
 
-    def __init__(self):
-        self.values, self.consumers = {}, weakref.WeakSet()
+    def __init__(self) -> None:
+        self.values: "dict[str, tuple[Any, str]]" = {}
+        self.consumers: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
 
 class ServerDefaults:
@@ -140,11 +147,11 @@ class ServerDefaults:
     Construction holds ``lock``, so resolving, building and recording are one step per consumer.
     """
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.lock = threading.RLock()
-        self._servers = weakref.WeakKeyDictionary()  # renderer -> _Server
+        self._servers: "weakref.WeakKeyDictionary[Any, _Server]" = weakref.WeakKeyDictionary()  # renderer -> _Server
 
-    def _server(self, renderer, create=False):
+    def _server(self, renderer: "Any", create: bool = False) -> "_Server | None":
         """The live server on ``renderer`` (a new one with ``create``), or None (``renderer`` not weakly
         referenceable, e.g. None: there can be none)."""
         try:
@@ -155,20 +162,22 @@ class ServerDefaults:
             return None
         return server if server is not None and (create or server.consumers) else None
 
-    def resolve(self, renderer, consumer, template, kwargs):
+    def resolve(self, renderer: "Any", consumer: str, template: "str | None",
+                kwargs: "dict[str, Any] | None") -> "tuple[Any, ...]":
         """The (template, kwargs) ``consumer`` must be built with; None means "not given"."""
         server = self._server(renderer)
         if server is not None and self._conflict(server, template, kwargs):
             gc.collect()  # consumers hold reference cycles: only the collector knows whether they are gone
             server = self._server(renderer)
         fixed = server.values if server is not None else {}
-        resolved = []
+        resolved: "list[Any]" = []
         for name, value, default in (("chat_template", template, None), (NATIVE, kwargs, {})):
             if name not in fixed:
                 resolved.append(default if value is None else value)
                 continue
             was, owner = fixed[name]
             if value is not None and value != was:
+                assert server is not None  # ``fixed`` holds its values
                 alive = ", ".join(sorted(type(each).__name__ for each in server.consumers))
                 raise ValueError(
                     f"{consumer}: {name}={_brief(value)} differs from {_brief(was)}, which {owner} was "
@@ -181,11 +190,12 @@ class ServerDefaults:
         return tuple(resolved)
 
     @staticmethod
-    def _conflict(server, template, kwargs):
+    def _conflict(server: _Server, template: "str | None", kwargs: "dict[str, Any] | None") -> bool:
         given = {"chat_template": template, NATIVE: kwargs}
         return any(given[name] is not None and given[name] != was for name, (was, _) in server.values.items())
 
-    def commit(self, renderer, instance, template, kwargs):
+    def commit(self, renderer: "Any", instance: object, template: "str | None",
+               kwargs: "dict[str, Any] | None") -> None:
         """Record the values consumer ``instance`` was built with, unless its server has them already."""
         server = self._server(renderer, create=True)
         if server is None:
@@ -198,7 +208,7 @@ class ServerDefaults:
         except TypeError:  # not weakly referenceable: it cannot keep the server alive
             pass
 
-    def reset(self, renderer=None):
+    def reset(self, renderer: "Any" = None) -> None:
         """Forget the values of the server on ``renderer`` (of every server when None)."""
         with self.lock:
             if renderer is None:
@@ -214,14 +224,15 @@ RESET = "call mtp_overlay.fixes.vllm_chat_template.reset(renderer) to forget its
 SERVERS = ServerDefaults()
 
 
-def server_renderer(bound, parameter):
+def server_renderer(bound: "inspect.BoundArguments", parameter: str) -> "Any":
     """The vLLM renderer a consumer's server is keyed by: its ``renderer`` argument, or its
     ``online_renderer``'s renderer."""
     value = bound.arguments.get(parameter)
     return value if parameter == "renderer" else getattr(value, "renderer", None)
 
 
-def construct(wrapped, instance, args, kwargs, parameter):
+def construct(wrapped: "Callable[..., Any]", instance: object, args: "tuple[Any, ...]", kwargs: "dict[str, Any]",
+              parameter: str) -> "Any":
     """Build one consumer (``wrapped`` is its bound ``__init__``) the way `vllm serve` would."""
     consumer = type(instance).__name__
     kwargs = dict(kwargs)

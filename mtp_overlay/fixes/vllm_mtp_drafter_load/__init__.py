@@ -65,9 +65,12 @@ from .tables import is_drafter
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
+    import inspect
     from collections.abc import Callable, Iterator
-    from types import ModuleType
-    from typing import Any
+    from types import ModuleType, TracebackType
+    from typing import Any, Literal
+
+    from .accounting import RefitReport
 
 __all__ = ["FIX", "FUSED", "SHOWN", "DrafterShape", "RefitReport", "begin_refit", "checked_load_weights", "counted",
            "discard_refit", "drafter_of", "drafter_refit", "end_refit", "is_drafter", "last_call_report",
@@ -95,12 +98,17 @@ class drafter_refit:
     when the fix is disabled. ``.report`` holds the RefitReport after the block (hook only).
     """
 
-    def __init__(self, model):
+    def __init__(self, model: "Any") -> None:
+        self._begin: "Callable[[Any], object]"
+        self._end: "Callable[[Any], RefitReport | None]"
+        self._discard: "Callable[[Any], object]"
+        self.report: "RefitReport | None"
         self.model, self.report = model, None
         if is_drafter(model):
             self._begin, self._end, self._discard = begin_refit, end_refit, discard_refit
         elif FIX._patched(getattr(type(model), "load_weights", _no_code)):
-            from vllm.model_executor.models.utils import MTPDrafterRefits
+            # a vLLM carrying the source patch only
+            from vllm.model_executor.models.utils import MTPDrafterRefits  # type: ignore[attr-defined]
 
             self._begin, self._end, self._discard = MTPDrafterRefits.begin, MTPDrafterRefits.end, MTPDrafterRefits.discard
         elif type(model).__name__ in DRAFTERS.values():
@@ -108,11 +116,12 @@ class drafter_refit:
         else:
             raise TypeError(f"model must be a vLLM MTP drafter ({', '.join(DRAFTERS.values())}), got {type(model).__name__}")
 
-    def __enter__(self):
+    def __enter__(self) -> "drafter_refit":
         self._begin(self.model)
         return self
 
-    def __exit__(self, kind, value, traceback):
+    def __exit__(self, kind: "type[BaseException] | None", value: "BaseException | None",
+                 traceback: "TracebackType | None") -> "Literal[False]":
         if kind is None:
             self.report = self._end(self.model)
         else:
@@ -120,12 +129,12 @@ class drafter_refit:
         return False
 
 
-def _no_code(*args):
+def _no_code(*args: object) -> None:
     """The refit boundaries of a disabled fix, and what a class without load_weights offers."""
     return None
 
 
-def _parameters(function):
+def _parameters(function: "Callable[..., Any]") -> "list[inspect.Parameter]":
     import inspect
 
     return list(inspect.signature(function).parameters.values())

@@ -17,8 +17,12 @@ from .tables import is_drafter, lock, say, table
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Iterable, Iterator
     from typing import Any
+
+    Shape = tuple[int, ...]
+    MtpName = tuple[str, "int | None", bool]  # (checkpoint name, MTP layer, skipped by the drafter's rule)
+    MisShaped = tuple[str, Shape, Shape]  # (checkpoint name, its shape, the drafter's)
 
 SHOWN = 32  # names listed in a report's message; the report object holds them all
 # vLLM parameters that stack checkpoint tensors, with the checkpoint names of their shards in order
@@ -36,12 +40,12 @@ class DrafterShape:
 
     __slots__ = ("num_hidden_layers", "num_mtp_layers", "layer_of", "skips", "expected")
 
-    def __init__(self, model):
+    def __init__(self, model: "Any") -> None:
         keys = sorted(int(key) for key in model.model.layers.keys())
         first = keys[0] if keys else 0
         self.num_hidden_layers = int(model.config.num_hidden_layers)
         self.num_mtp_layers = len(keys)
-        self.layer_of = {}  # counted parameter -> MTP layer, None for one outside the layers
+        self.layer_of: "dict[str, int | None]" = {}  # counted parameter -> MTP layer, None for one outside the layers
         for name, _ in model.named_parameters():
             if counted(name):
                 match = _IN_LAYER.match(name)
@@ -50,13 +54,13 @@ class DrafterShape:
         self.expected = expected_shapes(model, first)
 
 
-def skip_rule(model):
+def skip_rule(model: "Any") -> "Callable[[str], object] | None":
     """The drafter's own test for names it does not read: ``is_unused_checkpoint_weight`` (vLLM 0.33.0
     NemotronHMTP), else the ``get_spec_layer_idx_from_weight_name`` its module's loop asks (DeepSeekMTP:
     None means skipped); None when it has neither (vLLM 0.25.1 NemotronHMTP)."""
     import sys
 
-    unused = getattr(model, "is_unused_checkpoint_weight", None)
+    unused: "Callable[[str], object] | None" = getattr(model, "is_unused_checkpoint_weight", None)
     if unused is not None:
         return unused
     spec_layer = getattr(sys.modules.get(type(model).__module__), "get_spec_layer_idx_from_weight_name", None)
@@ -65,7 +69,7 @@ def skip_rule(model):
     return None
 
 
-def expected_shapes(model, first):
+def expected_shapes(model: "Any", first: int) -> "dict[tuple[int | None, str], Shape]":
     """``{(MTP layer, name after its layers.<k>.): full checkpoint shape}`` for the weights and biases
     of the unquantized vLLM linear layers of the MTP layers (stacked ones per shard, `FUSED`).
 
@@ -80,7 +84,7 @@ def expected_shapes(model, first):
         from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
     except ImportError:
         return {}
-    found = {}
+    found: "dict[tuple[int | None, str], Shape]" = {}
     for module_name, module in model.named_modules():
         parts = module_name.split(".")
         if (not isinstance(module, LinearBase) or type(getattr(module, "quant_method", None)) is not UnquantizedLinearMethod
@@ -101,7 +105,7 @@ def expected_shapes(model, first):
     return found
 
 
-def _shard_sizes(module, count):
+def _shard_sizes(module: "Any", count: int) -> "list[int] | None":
     """The full output size of each checkpoint shard of a stacked layer, or None when it is not one."""
     if hasattr(module, "total_num_heads"):  # QKVParallelLinear
         v_head = getattr(module, "v_head_size", module.head_size)
@@ -112,16 +116,16 @@ def _shard_sizes(module, count):
     return [int(size) for size in sizes] if len(sizes) == count else None
 
 
-def counted(parameter):
+def counted(parameter: str) -> bool:
     """Whether a refit must load ``parameter`` (not the shared embedding / head, not a quant scale)."""
     parts = parameter.split(".")
     last = parts[-1]
     return not ("embed_tokens" in parts or parts[0] == "lm_head" or last.endswith("_scale") or last in ("scale", "zero_point"))
 
 
-def shape_of(model):
+def shape_of(model: "Any") -> DrafterShape:
     shapes = table("shapes")
-    shape = shapes.get(model)
+    shape: "DrafterShape | None" = shapes.get(model)
     if shape is None:
         shape = shapes[model] = DrafterShape(model)
     return shape
@@ -134,8 +138,11 @@ class Call:
 
     __slots__ = ("names", "count", "mtp_names", "mis_shaped")
 
-    def __init__(self):
-        self.names, self.count, self.mtp_names, self.mis_shaped = set(), 0, [], []
+    def __init__(self) -> None:
+        self.names: "set[str]" = set()
+        self.count = 0
+        self.mtp_names: "list[MtpName]" = []
+        self.mis_shaped: "list[MisShaped]" = []
 
 
 class Refit:
@@ -144,12 +151,15 @@ class Refit:
 
     __slots__ = ("boundary", "depth", "calls", "names", "seen", "mtp_names", "mis_shaped", "loaded")
 
-    def __init__(self, boundary):
+    def __init__(self, boundary: "str | None") -> None:
         self.boundary = boundary  # None: implicit
         self.depth, self.calls, self.names = 1, 0, 0
-        self.seen, self.mtp_names, self.mis_shaped, self.loaded = set(), [], [], set()
+        self.seen: "set[str]" = set()
+        self.mtp_names: "list[MtpName]" = []
+        self.mis_shaped: "list[MisShaped]" = []
+        self.loaded: "set[str]" = set()
 
-    def add(self, call, loaded, judged):
+    def add(self, call: Call, loaded: "set[str]", judged: bool) -> None:
         """Count ``call`` in; its MTP names and shapes only when they were not ``judged`` already."""
         self.calls += 1
         self.names += call.count
@@ -167,7 +177,7 @@ class RefitReport:
 
     __slots__ = ("drafter", "number", "boundary", "calls", "names", "parameters", "missing", "dropped", "mis_shaped")
 
-    def __init__(self, model, refit, number, loaded=None):
+    def __init__(self, model: "Any", refit: Refit, number: "int | None", loaded: "set[str] | None" = None) -> None:
         shape = shape_of(model)
         self.drafter, self.number = type(model).__name__, number
         self.boundary = refit.boundary or ("load_weights calls" if number is not None else "one load_weights call")
@@ -183,10 +193,10 @@ class RefitReport:
         self.mis_shaped = list(refit.mis_shaped)
 
     @property
-    def ok(self):
+    def ok(self) -> bool:
         return not self.missing and not self.dropped and not self.mis_shaped
 
-    def message(self):
+    def message(self) -> str:
         parts = []
         if self.missing:
             parts.append(f"{len(self.missing)} of {self.parameters} MTP parameters never loaded: {_listed(self.missing)}")
@@ -202,23 +212,23 @@ class RefitReport:
                 "its old MTP head and rollout acceptance falls (vLLM #43456, NeMo-RL PR #3494); the drafter reads "
                 f"{_naming(self.drafter)}")
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return (f"RefitReport({self.drafter}, #{self.number}, missing={len(self.missing)}, dropped={len(self.dropped)}, "
                 f"mis_shaped={len(self.mis_shaped)})")
 
 
-def _listed(names):
+def _listed(names: "list[str]") -> str:
     more = f" ... and {len(names) - SHOWN} more" if len(names) > SHOWN else ""
     return ", ".join(names[:SHOWN]) + more
 
 
-def _naming(drafter):
+def _naming(drafter: str) -> str:
     return {"NemotronHMTP": "mtp.layers.<i>.* names", "DeepSeekMTP": "model.layers.<num_hidden_layers + i>.* names"}.get(
         drafter, "its own checkpoint naming")
 
 
 # --- refit boundaries ------------------------------------------------------------------------
-def begin_refit(model, boundary="drafter_refit()"):
+def begin_refit(model: "Any", boundary: str = "drafter_refit()") -> None:
     """Open an explicit refit of ``model`` (an implicit one still open is closed and reported first)."""
     closed = None
     with lock:
@@ -232,7 +242,7 @@ def begin_refit(model, boundary="drafter_refit()"):
     _emit(closed)
 
 
-def end_refit(model):
+def end_refit(model: "Any") -> "RefitReport | None":
     """Close the refit of ``model`` (its outermost level) and report it; returns the RefitReport or None.
     A refit that loaded any of the drafter's parameters refreshed it (`freshness`)."""
     with lock:
@@ -249,24 +259,26 @@ def end_refit(model):
     return _emit(report)
 
 
-def discard_refit(model):
+def discard_refit(model: "Any") -> None:
     """Forget the open refit of ``model`` without a report (the refit itself failed)."""
     with lock:
         table("refits").pop(model, None)
 
 
-def last_refit_report(model):
+def last_refit_report(model: "Any") -> "RefitReport | None":
     """The RefitReport of the last refit of ``model`` that ended (None before the first)."""
-    return table("reports").get(model)
+    report: "RefitReport | None" = table("reports").get(model)
+    return report
 
 
-def last_call_report(model):
+def last_call_report(model: "Any") -> "RefitReport | None":
     """The RefitReport of the last ``load_weights`` call of ``model`` outside any refit boundary (each
     is judged at its end), None before the first."""
-    return table("calls").get(model)
+    report: "RefitReport | None" = table("calls").get(model)
+    return report
 
 
-def _close(model):
+def _close(model: "Any") -> "RefitReport":
     """Close the open refit of ``model``: its RefitReport (stored; not yet emitted)."""
     refit = table("refits").pop(model)
     counts = table("counts")
@@ -275,14 +287,14 @@ def _close(model):
     return report
 
 
-def _emit(report):
+def _emit(report: "RefitReport | None") -> "RefitReport | None":
     if report is not None and not report.ok:
         say(report.message())
     return report
 
 
 # --- the wrapper -------------------------------------------------------------------------------
-def _observed(model, call, weights):
+def _observed(model: "Any", call: Call, weights: "Iterable[Any]") -> "Iterator[Any]":
     """Yield the pairs of ``weights`` as they are, counting their names and checking the shapes of
     the MTP tensors the drafter reads into ``call``."""
     from ...mtp.refit import mtp_layer_of, strip_wrapper_prefix
@@ -332,7 +344,7 @@ def checked_load_weights(wrapped: "Callable[..., Any]", instance: "Any", args: "
     return loaded
 
 
-def _settle(model, call, loaded):
+def _settle(model: "Any", call: Call, loaded: "set[str]") -> "tuple[list[RefitReport | None], bool]":
     """Count ``call`` (which loaded ``loaded``) into the refit of ``model``: the reports it makes now
     (an implicit refit it ended, its own judgement outside a boundary) and whether it refreshed the
     drafter (outside a boundary, by loading any of its parameters; inside, the refit's end decides)."""
@@ -360,7 +372,8 @@ def _model_argument(args: "tuple[Any, ...]", kwargs: "dict[str, Any]") -> "Any":
     return argument(args, kwargs, 0, "model", None)
 
 
-def begin_on_reload(wrapped, instance, args, kwargs):
+def begin_on_reload(wrapped: "Callable[..., Any]", instance: "Any", args: "tuple[Any, ...]",
+                    kwargs: "dict[str, Any]") -> "Any":
     """vLLM's ``initialize_layerwise_reload``: a drafter's refit begins, or a target's weights start
     being replaced (`freshness.target_reload_began`)."""
     result = wrapped(*args, **kwargs)
@@ -372,7 +385,8 @@ def begin_on_reload(wrapped, instance, args, kwargs):
     return result
 
 
-def end_on_reload(wrapped, instance, args, kwargs):
+def end_on_reload(wrapped: "Callable[..., Any]", instance: "Any", args: "tuple[Any, ...]",
+                  kwargs: "dict[str, Any]") -> "Any":
     """vLLM's ``finalize_layerwise_reload``: the drafter's refit ends and is reported; a target model's
     reload finished (`freshness.target_reloaded`)."""
     model = _model_argument(args, kwargs)

@@ -35,6 +35,11 @@ embedding by identity (vLLM's ``load_eagle_model`` shares them).
 
 from .tables import is_drafter, life, lock, notice, say, table
 
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from typing import Any
+
 _due = 0  # how many drafters owe a staleness report: the only thing a step reads
 
 
@@ -46,27 +51,29 @@ class Freshness:
     __slots__ = ("drafter", "target", "refits", "refreshed_at", "due", "depth", "reloading", "last", "engine",
                  "sessions", "told", "__weakref__")
 
-    def __init__(self, drafter):
-        self.drafter, self.target = type(drafter).__name__, None  # class names: the tables hold the models weakly
+    def __init__(self, drafter: "Any") -> None:
+        self.drafter: str = type(drafter).__name__  # class names: the tables hold the models weakly
+        self.target: "str | None" = None
         self.refits = self.refreshed_at = self.depth = 0
         self.due = self.reloading = False  # reloading: vLLM's layerwise reload of the target began, uncounted
-        self.last = None
-        self.engine = None
-        self.sessions = None  # "draft": the engine can; "engine cannot"; "none": the release has no draft sessions
-        self.told = set()
+        self.last: "str | None" = None
+        self.engine: "str | None" = None
+        # "draft": the engine can; "engine cannot"; "none": the release has no draft sessions
+        self.sessions: "str | None" = None
+        self.told: "set[str | None]" = set()  # engines named in a notice
 
     @property
-    def behind(self):
+    def behind(self) -> int:
         return self.refits - self.refreshed_at
 
-    def as_dict(self):
+    def as_dict(self) -> "dict[str, object]":
         return {"drafter": self.drafter, "target": self.target, "target_refits": self.refits,
                 "refreshed_at_target_refit": self.refreshed_at, "refits_behind": self.behind,
                 "last_target_refit": self.last, "engine": self.engine}
 
 
 # --- pairing ---------------------------------------------------------------------------------------
-def drafter_of(runner):
+def drafter_of(runner: "Any") -> "Any":
     """The hooked MTP drafter of a vLLM model runner, or None: ``get_draft_model()`` where the runner
     has it (0.33.0), else its proposer's (V1 ``drafter``, V2 ``speculator``) ``model``, unwrapped."""
     try:
@@ -83,10 +90,10 @@ def drafter_of(runner):
     return drafter if drafter is not None and is_drafter(drafter) else None
 
 
-def _paired(target, drafter):
+def _paired(target: "Any", drafter: "Any") -> Freshness:
     """The Freshness of ``drafter`` (made when it has none), now known to draft for ``target``."""
     drafters, target_models = table("drafters"), table("targets")
-    record = drafters.get(drafter)
+    record: "Freshness | None" = drafters.get(drafter)
     if record is None:
         record = drafters[drafter] = Freshness(drafter)
     record.target = type(target).__name__
@@ -94,25 +101,25 @@ def _paired(target, drafter):
     return record
 
 
-def of_runner(runner):
+def of_runner(runner: "Any") -> "Freshness | None":
     """The Freshness of ``runner``'s drafter and target (paired on first use); None without a drafter."""
     try:
         target = runner.get_model()
     except (AttributeError, ValueError):
         return None
     with lock:
-        record = table("targets").get(target)
+        record: "Freshness | None" = table("targets").get(target)
         if record is not None:
             return record
         drafter = drafter_of(runner)
         return None if drafter is None else _paired(target, drafter)
 
 
-def of_target(target):
+def of_target(target: "Any") -> "Freshness | None":
     """The Freshness of ``target``: known, or paired with a drafter the fix has met that shares the
     target's LM head or embedding (by identity); None otherwise."""
     with lock:
-        record = table("targets").get(target)
+        record: "Freshness | None" = table("targets").get(target)
         if record is not None:
             return record
         for drafter in list(table("drafters").keys()):
@@ -121,7 +128,7 @@ def of_target(target):
     return None
 
 
-def _shares(drafter, target):
+def _shares(drafter: "Any", target: "Any") -> bool:
     for path in (("lm_head",), ("model", "embed_tokens")):
         ours, theirs = drafter, target
         for step in path:
@@ -132,7 +139,7 @@ def _shares(drafter, target):
 
 
 # --- the two generations ---------------------------------------------------------------------------
-def target_refitted(record, via):
+def target_refitted(record: Freshness, via: str) -> None:
     """A target refit counted: a stale interval that begins here owes a report."""
     global _due
     with lock:
@@ -144,7 +151,7 @@ def target_refitted(record, via):
             _due += 1
 
 
-def drafter_refreshed(drafter):
+def drafter_refreshed(drafter: "Any") -> None:
     """The drafter loaded (part of) a new head: fresh against every target refit counted so far."""
     global _due
     with lock:
@@ -158,7 +165,7 @@ def drafter_refreshed(drafter):
             _due -= 1
 
 
-def target_reload_began(model):
+def target_reload_began(model: "Any") -> None:
     """vLLM's layerwise reload of ``model`` began: from here the target's weights are being replaced (its
     layers sit on the meta device until each is loaded), so a refit that raises later has changed it."""
     record = of_target(model)
@@ -166,7 +173,7 @@ def target_reload_began(model):
         record.reloading = True
 
 
-def target_reloaded(model):
+def target_reloaded(model: "Any") -> None:
     """vLLM's layerwise reload of ``model`` finished: a target refit unless a Worker / runner boundary
     around it counts it (or ``model`` drafts for nothing the fix knows)."""
     record = of_target(model)
@@ -174,7 +181,8 @@ def target_reloaded(model):
         target_refitted(record, "vLLM layerwise reload (finalize_layerwise_reload)")
 
 
-def _boundary(record, via, wrapped, args, kwargs):
+def _boundary(record: Freshness, via: str, wrapped: "Callable[..., Any]", args: "tuple[Any, ...]",
+              kwargs: "dict[str, Any]") -> "Any":
     """Run ``wrapped`` as one target refit of ``record``: counted when the outermost boundary returns."""
     with lock:
         record.depth += 1
@@ -196,7 +204,7 @@ def _boundary(record, via, wrapped, args, kwargs):
 
 
 # --- what is said ----------------------------------------------------------------------------------
-def check(record, where):
+def check(record: Freshness, where: str) -> None:
     """Report a stale drafter if a report is owed: a warning once per stale interval; in strict mode an
     OverlayError at every target session start and step until the drafter is refreshed (a retry must
     not get past it)."""
@@ -210,7 +218,7 @@ def check(record, where):
     say(stale_message(record, where), stacklevel=5)
 
 
-def _release_sessions():
+def _release_sessions() -> "str | None":
     """"none" when the installed vLLM's Worker has no draft sessions (0.25.1), else None (unknown)."""
     import sys
 
@@ -218,7 +226,7 @@ def _release_sessions():
     return "none" if worker is not None and not hasattr(worker, "start_draft_weight_update") else None
 
 
-def stale_message(record, where):
+def stale_message(record: Freshness, where: str) -> str:
     refits = "refit" if record.behind == 1 else "refits"
     sessions = record.sessions or _release_sessions()
     text = (f"vLLM MTP drafter {record.drafter} is {record.behind} target {refits} behind {record.target} (seen at "
@@ -237,7 +245,7 @@ def stale_message(record, where):
                    "update_weights(...), then finish_weight_update().")
 
 
-def _engine(record, worker):
+def _engine(record: Freshness, worker: "Any") -> None:
     """Record what ``worker``'s engine can do for the drafter; name an engine that cannot, once."""
     engine = vars(worker).get("weight_transfer_engine")
     record.engine = type(engine).__name__ if engine is not None else None
@@ -257,12 +265,13 @@ def _engine(record, worker):
 
 
 # --- the wrappers ----------------------------------------------------------------------------------
-def _worker_record(worker):
+def _worker_record(worker: "Any") -> "Freshness | None":
     runner = vars(worker).get("model_runner")
     return None if runner is None else of_runner(runner)
 
 
-def on_target_session_start(wrapped, instance, args, kwargs):
+def on_target_session_start(wrapped: "Callable[..., Any]", instance: "Any", args: "tuple[Any, ...]",
+                            kwargs: "dict[str, Any]") -> "Any":
     """``Worker.start_weight_update``: a stale drafter is reported before the next target refit begins."""
     record = _worker_record(instance)
     if record is not None:
@@ -272,7 +281,8 @@ def on_target_session_start(wrapped, instance, args, kwargs):
     return wrapped(*args, **kwargs)
 
 
-def on_session_finish(wrapped, instance, args, kwargs):
+def on_session_finish(wrapped: "Callable[..., Any]", instance: "Any", args: "tuple[Any, ...]",
+                      kwargs: "dict[str, Any]") -> "Any":
     """``Worker.finish_weight_update``: the end of a non-draft session is a target refit."""
     own = vars(instance)
     if own.get("_weight_update_is_draft") is True or own.get("_weight_update_active") is not True:
@@ -284,7 +294,8 @@ def on_session_finish(wrapped, instance, args, kwargs):
     return _boundary(record, f"Worker.finish_weight_update ({record.engine})", wrapped, args, kwargs)
 
 
-def on_update_weights(wrapped, instance, args, kwargs):
+def on_update_weights(wrapped: "Callable[..., Any]", instance: "Any", args: "tuple[Any, ...]",
+                      kwargs: "dict[str, Any]") -> "Any":
     """``Worker.update_weights``: a target session that raises here (one wrong-shaped tensor) ends
     there, vLLM's layerwise reload of the target begun and never finished: a target refit, since the
     target's weights were being replaced."""
@@ -298,7 +309,8 @@ def on_update_weights(wrapped, instance, args, kwargs):
         raise
 
 
-def on_reload_weights(wrapped, instance, args, kwargs):
+def on_reload_weights(wrapped: "Callable[..., Any]", instance: "Any", args: "tuple[Any, ...]",
+                      kwargs: "dict[str, Any]") -> "Any":
     """A model runner's ``reload_weights``: a target refit."""
     record = of_runner(instance)
     if record is None:
@@ -306,7 +318,8 @@ def on_reload_weights(wrapped, instance, args, kwargs):
     return _boundary(record, f"{type(instance).__name__}.reload_weights", wrapped, args, kwargs)
 
 
-def on_execute_model(wrapped, instance, args, kwargs):
+def on_execute_model(wrapped: "Callable[..., Any]", instance: "Any", args: "tuple[Any, ...]",
+                     kwargs: "dict[str, Any]") -> "Any":
     """A model runner's ``execute_model``: the first step after a target refit that left the drafter
     stale reports it. The per-step cost is the one test of `_due`."""
     if _due:
@@ -317,11 +330,11 @@ def on_execute_model(wrapped, instance, args, kwargs):
 
 
 # --- asking ----------------------------------------------------------------------------------------
-def record_of(subject):
+def record_of(subject: "Any") -> "Freshness | None":
     """The Freshness of a vLLM Worker, model runner, target model or drafter (None if unknown)."""
     with lock:
         try:
-            record = table("drafters").get(subject) or table("targets").get(subject)
+            record: "Freshness | None" = table("drafters").get(subject) or table("targets").get(subject)
         except TypeError:  # not weakly referenceable: no model
             record = None
     if record is not None:
@@ -332,7 +345,7 @@ def record_of(subject):
     return of_runner(subject) if callable(getattr(subject, "get_model", None)) else None
 
 
-def refits_behind(subject):
+def refits_behind(subject: "Any") -> "int | None":
     """How many target refits the drafter of ``subject`` (a vLLM Worker, model runner, target model or
     drafter) is behind: 0 when fresh, None when the fix knows no drafter and target pair for it (on a
     vLLM patched on disk, its ``MTPDrafterRefits`` answers). Callable as
@@ -341,12 +354,12 @@ def refits_behind(subject):
     if record is None:  # a vLLM carrying the source patch counts by itself (the hooks stood down)
         import sys
 
-        patched = getattr(sys.modules.get("vllm.model_executor.models.utils"), "MTPDrafterRefits", None)
+        patched: "Any" = getattr(sys.modules.get("vllm.model_executor.models.utils"), "MTPDrafterRefits", None)
         return patched.refits_behind(subject) if hasattr(patched, "refits_behind") else None
     return None if record.target is None else record.behind
 
 
-def staleness():
+def staleness() -> "list[dict[str, object]]":
     """One dict per drafter of this process whose target the fix knows (`Freshness.as_dict`)."""
     with lock:
         return [record.as_dict() for record in list(table("drafters").values()) if record.target is not None]

@@ -21,6 +21,7 @@ def cases_worker():
     from mtp_overlay import mtp
     from mtp_overlay.bed.fixes.mtp_logprob_skip import build, logprob_forward, stock_logprob_forward
     from mtp_overlay.bed.models.tiny_gpt import make_batch, train_step
+    from mtp_overlay.bed.steps.moe import fresh_moe_tracker
 
     batch = make_batch()
     facts = {"status": {row.name: row.state for row in mtp_overlay.status()}[FIX]}
@@ -28,6 +29,7 @@ def cases_worker():
     facts["reproducer"] = stock_logprob_forward()  # what the support matrix's stock run measures
     for name in MODELS:
         model = build(name)
+        fresh_moe_tracker()  # sized by the first model that records in this (shared) rank: by this one
         mtp_overlay.uninstall(only=[FIX])
         stock = {"no_grad": logprob_forward(model, batch), "train": train_step(model, batch, labels=None),
                  "grads": _grads(model), "spec": _speculative_step(model)}

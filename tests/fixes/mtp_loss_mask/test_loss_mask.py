@@ -341,7 +341,9 @@ print(json.dumps({"state": row.state, "reason": row.reason, "version": row.versi
 
 
 def report(site):
-    result = run_with_release(site, REPORT, env={**os.environ, "MTP_OVERLAY_STRICT": "0"})
+    # "wrapped" is mtp-loss-mask's wrapper: mtp-logprob-skip, which wraps the same forwards, stays off
+    result = run_with_release(site, REPORT, env={**os.environ, "MTP_OVERLAY_STRICT": "0",
+                                                 "MTP_OVERLAY_DISABLE": "mtp-logprob-skip"})
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
 

@@ -524,7 +524,8 @@ def test_combined_layout_waits_for_no_device_value(monkeypatch):
     ``.item()``, ``.tolist()``, ``bool()``, ``.nonzero()`` and no boolean-mask indexing on the way."""
     import types
 
-    from mtp_overlay.fixes.mtp_multimodal import llava, scope
+    from mtp_overlay.fixes import combined_inputs
+    from mtp_overlay.fixes.mtp_multimodal import llava
 
     def refuse(*args, **kwargs):
         raise AssertionError("a host read of a tensor value (a device sync)")
@@ -547,7 +548,7 @@ def test_combined_layout_waits_for_no_device_value(monkeypatch):
     for name in ("item", "tolist", "__bool__", "nonzero", "any", "all"):
         monkeypatch.setattr(torch.Tensor, name, refuse)
     monkeypatch.setattr(torch.Tensor, "__getitem__", indexed)
-    state = scope.Combined(None)
+    state = combined_inputs.Combined(None)
     embeddings = torch.zeros(22, 2, 8)  # [S, b, h]: the combined length, 2 samples, as _preprocess_data returns it
     llava.build(model, state, (embeddings, None, None), arguments.get)
     llava.shard(llava, model, state, None)
@@ -629,9 +630,11 @@ def test_stock_needs_the_fix_its_wrappers_sit_on_llava_and_the_language_model_ke
     assert "MimoModel calls its language model without input_ids and loss_mask (3 of its 3 calls" in row["reason"]
     wrappers = row["wrappers"]
     assert _wrapped(row) == WRAPPED
-    # one wrapper, two reasons: the language model's forward carries mtp-loss-mask's alone, which
-    # hands on this fix's combined inputs (the declaration requires it)
-    assert wrappers["GPTModel.forward"] == wrappers["HybridModel.forward"] == [LOSS_MASK]
+    # one wrapper, two reasons: the language model's forward carries mtp-loss-mask's, not this fix's:
+    # mtp-loss-mask hands on this fix's combined inputs (the declaration requires it); other fixes
+    # (mtp-logprob-skip) may wrap it too
+    for method in ("GPTModel.forward", "HybridModel.forward"):
+        assert LOSS_MASK in wrappers[method] and FIX not in wrappers[method], (method, wrappers[method])
     from mtp_overlay import declarations
 
     assert declarations.load(FIX).requires == (LOSS_MASK,)

@@ -1,7 +1,9 @@
-"""vllm-media-placeholders on the installed vLLM (0.33.0): the chat route (OpenAIServingChat on vLLM's
+"""vllm-media-placeholders on the installed vLLM (the pin): the chat route (OpenAIServingChat on vLLM's
 renderer, LLaVA's processor, the tiny processor folder with the seed's rule as its template) renders one
 placeholder per structured image with the fix; stock renders the literal copies, binds one image and
-leaves a stray image token, or crashes when the literals are fewer than the images."""
+leaves a stray image token, or crashes when the literals are fewer than the images. A tokenized prompt
+(``prompt_token_ids`` with ``multi_modal_data``, vLLM's renderer as ``LLM.generate`` calls it) with more
+placeholder tokens than images is refused with vLLM's own VLLMValidationError; stock binds the first."""
 
 import pytest
 from hypothesis import given, settings
@@ -9,8 +11,9 @@ from hypothesis import strategies as st
 
 import mtp_overlay
 from mtp_overlay import OverlayError
-from mtp_overlay.bed.steps import media_placeholders as mp
 from mtp_overlay.bed.fixes import reproduce
+from mtp_overlay.bed.steps import media_placeholders as mp
+from mtp_overlay.bed.steps import vllm_serving as vs
 
 FIX = "vllm-media-placeholders"
 
@@ -52,10 +55,42 @@ def test_text_only_untouched_and_counted(chat):
     assert after.details["messages_changed"] == before.details.get("messages_changed", 0) + 1
 
 
+TYPED = mp.TYPED_PROMPT  # 2 placeholders, the first typed, for 1 image
+SURPLUS = (f"VLLMValidationError: mtp-overlay fix '{FIX}': the prompt holds 2 image placeholder(s) for 1 image "
+           f"item(s)")
+
+
+def test_tokenized_prompt_with_more_placeholders_than_images(chat):
+    """Stock binds the image to the first placeholder (the typed one) and leaves the second in the prompt
+    as text; with the fix vLLM's own validation error names the counts."""
+    [(_, image_tokens)] = chat.render_tokens(["user", ":", "<image>", "what", "?"], 1)["images"]
+    with mp.fix_off(FIX):
+        stock = chat.render_tokens(TYPED, 1)
+    at = TYPED.index("<image>")
+    bound = [chat.placeholder_id] * image_tokens
+    assert stock == {"ids": [vs.WORDS.index(w) for w in TYPED[:at]] + bound
+                     + [vs.WORDS.index(w) for w in TYPED[at + 1:]], "images": [(at, image_tokens)]}
+    [before] = mtp_overlay.status([FIX])
+    assert chat.render_tokens(TYPED, 1)["error"].startswith(SURPLUS)
+    [after] = mtp_overlay.status([FIX])
+    assert after.details["prompts_refused"]["image"] == before.details.get("prompts_refused", {}).get("image", 0) + 1
+
+
+@pytest.mark.parametrize("placeholders, images", [(1, 1), (2, 2), (1, 2)])
+def test_tokenized_prompt_otherwise_as_stock(chat, placeholders, images):
+    """Equal counts render as stock does; fewer placeholders than images keep stock's error."""
+    words = ["user", ":"] + ["<image>", "what"] * placeholders + ["?"]
+    with mp.fix_off(FIX):
+        stock = chat.render_tokens(words, images)
+    assert chat.render_tokens(words, images) == stock
+    assert len(stock.get("images", ())) == images or "Failed to apply prompt replacement" in stock["error"]
+
+
 def test_strict_refuses(chat):
     mtp_overlay.install(only=[FIX], strict=True)
     try:
         seen = chat.render([{"role": "system", "content": "be brief"}] + mp.conversation(1, mp.SEED_TEXTS))
+        assert chat.render_tokens(TYPED, 1)["error"].startswith(SURPLUS)  # refused, strict or not
     finally:
         mtp_overlay.install(only=[FIX], strict=False)
     assert seen["error"].startswith(f"{OverlayError.__name__}: mtp-overlay fix '{FIX}': message 1 writes the media "

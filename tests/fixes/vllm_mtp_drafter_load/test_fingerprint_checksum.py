@@ -36,37 +36,56 @@ def test_layout_dtype_and_shape_are_part_of_the_digest():
     assert digest(matrix.t()).checksum != digest(matrix).checksum
     assert digest(matrix.reshape(4, 6)).shape != digest(matrix).shape
     assert digest(matrix.to(torch.bfloat16)) == digest(matrix, dtype=torch.bfloat16) != digest(matrix)
-    assert digest(torch.tensor(7)).size == 8 and digest(torch.empty(0)).checksum == (0, 0)
+    assert digest(torch.tensor(7)).size == 8 and digest(torch.empty(0)).checksum == (0, 0, 0, 0)
 
 
 def reference(tensor):
     """The checksum by its definition (refit's docstring), in Python integers: the tensor's bytes as
-    little-endian 16-bit words, ``sum_i w_i * r^i mod p`` for each (p, r)."""
-    data = list(tensor.detach().reshape(-1).contiguous().view(torch.uint8).tolist()) + [0]
-    words = [data[i] + 256 * data[i + 1] for i in range(0, len(data) - 1, 2)]
-    return tuple(sum(w * pow(r, i, p) for i, w in enumerate(words)) % p for p, r in refit._MODULI)
+    little-endian signed 64-bit words, the row sums of the R x C matrix of the first R * C of them,
+    its column sums then the words past it and a zero-padded last word of left-over bytes, sums
+    wrapped to signed 64 bits, each vector hashed ``sum_i v_i * r^i mod p``."""
+    data = bytes(tensor.detach().reshape(-1).contiguous().view(torch.uint8).tolist())
+    count = len(data) // 8
+    words = [int.from_bytes(data[i:i + 8], "little", signed=True) for i in range(0, 8 * count, 8)]
+    left = [int.from_bytes(data[8 * count:] + bytes(8 - len(data) % 8), "little", signed=True)] if len(data) % 8 else []
+    width = 16
+    while width * width < count:
+        width += 1
+    rows = count // width
+
+    def wrap(n):
+        return (n + 2**63) % 2**64 - 2**63
+
+    a = [wrap(sum(words[r * width:(r + 1) * width])) for r in range(rows)]
+    b = [wrap(sum(words[r * width + c] for r in range(rows))) for c in range(width)] + words[rows * width:] + left
+
+    def hashes(values):
+        return tuple(sum(v * pow(r, i, p) for i, v in enumerate(values)) % p for p, r in refit._MODULI)
+
+    return hashes(a) + hashes(b)
 
 
-@pytest.mark.parametrize(("block", "chunk"), [(16, 64), (4, 8), (refit._BLOCK, refit._CHUNK_WORDS)])
-def test_the_checksum_is_its_definition_across_blocks_and_chunks(block, chunk, monkeypatch):
-    monkeypatch.setattr(refit, "_BLOCK", block)
-    monkeypatch.setattr(refit, "_CHUNK_WORDS", chunk)
+def test_the_checksum_is_its_definition():
+    """Sizes with and without tail words and left-over bytes, views at odd byte offsets, transposes."""
     generator = torch.Generator().manual_seed(5)
-    tensors = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=generator) for n in (1, 2, 3, 63, 64, 129, 1001)]
+    tensors = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=generator) for n in (1, 2, 3, 4, 63, 64, 129, 1001)]
     tensors += [torch.randn(33, 5, generator=generator).to(torch.bfloat16).t(), torch.tensor(-7), torch.randn(300)]
-    digests = fingerprint([(str(i), t) for i, t in enumerate(tensors)])  # one table of powers for all of them
+    tensors += [torch.randn(301, generator=generator).to(torch.bfloat16)[1:], torch.randint(0, 256, (70,), dtype=torch.uint8)[3:]]
+    tensors += [torch.randint(-2**31, 2**31 - 1, (4099,), dtype=torch.int32, generator=generator)]
+    digests = fingerprint([(str(i), t) for i, t in enumerate(tensors)])  # all hashed in one batch
     assert [digests[str(i)].checksum for i in range(len(tensors))] == [reference(t) for t in tensors]
+    assert all(d.format == refit.FORMAT for d in digests.values())
+    assert tuple(tensor_checksum(tensors[-1]).tolist()) == reference(tensors[-1])
 
 
-def test_checksum_is_exact_past_one_chunk():
-    """Three chunks and an odd byte of 0xff: against the geometric series, summed by hand."""
-    data = torch.full((2 * 3 * refit._CHUNK_WORDS + 5,), 255, dtype=torch.uint8)
-    words = (data.numel() + 1) // 2  # the last one is the odd byte alone: 255
-    expected = []
-    for p, r in refit._MODULI:
-        series = (pow(r, words - 1, p) - 1) * pow(r - 1, -1, p)  # sum of r^i, i < words - 1
-        expected.append((0xFFFF * series + 255 * pow(r, words - 1, p)) % p)
-    assert tuple(int(h) for h in tensor_checksum(data)) == tuple(expected)
+def test_checksum_is_exact_where_sums_wrap():
+    """The largest and the smallest word in every place, 64 x 64 of them: every row and column sum
+    wraps past 64 bits; against the geometric series by hand."""
+    for word in (2**63 - 1, -2**63):
+        data = torch.full((64 * 64,), word, dtype=torch.int64)
+        wrapped = ((word * 64 + 2**63) % 2**64) - 2**63  # a sum of 64 words
+        expected = [(wrapped * (pow(r, 64, p) - 1) * pow(r - 1, -1, p)) % p for p, r in refit._MODULI]
+        assert tuple(tensor_checksum(data).tolist()) == tuple(expected * 2) == reference(data)
 
 
 def is_prime(n):
@@ -84,22 +103,35 @@ def prime_factors(n):
 
 
 def test_the_constants_are_what_the_guarantees_rest_on():
-    """Each p a prime below 2**31 (products stay in int64), each r a primitive root of it (weights
-    repeat only after p - 1 words), and no change of two adjacent words (one aligned 4-byte group:
-    a float32 element) vanishes in both hashes at once, checked for every (d0, d1) with |d| < 2**16.
-    Either hash alone misses 4 such changes: the pair is what makes the guarantee."""
-    span = 1 << 16
-    d1 = torch.arange(1, span, dtype=torch.int64)  # (d0, d1) and (-d0, -d1) vanish together; d1 = 0 never does
-    residues = []
+    """Each p a prime below 2**31 (a residue times a residue stays in int64), each r a primitive root
+    of it (weights repeat only after p - 1 values), and no change of one element of up to 4 bytes
+    vanishes modulo both: its word changes by e * 2**(8k), 0 < |e| < min(2**32, 2**(64 - 8k)) (the
+    element lies in the word from byte k), a sum by that plus j * 2**64 (a wrap, j in -1, 0, 1), which
+    p1 * p2 divides only for e = -j * 2**(64 - 8k) mod p1 * p2: no such residue is that close to 0."""
     for p, r in refit._MODULI:
         assert is_prime(p) and p < 2**31 and 1 < r < p
         assert all(pow(r, (p - 1) // q, p) != 1 for q in prime_factors(p - 1))
-        d0 = (-d1 * r) % p  # the one d0 (mod p) with d0 + d1 * r = 0 mod p
-        d0 = torch.where(d0 > p // 2, d0 - p, d0)
-        residues.append(torch.where(d0.abs() < span, d0, torch.full_like(d0, 2 * span + 1)))  # out of range: no word change
-    first, second = residues
-    assert int((first.abs() < span).sum()) == int((second.abs() < span).sum()) == 4
-    assert not bool(((first == second) & (first.abs() < span)).any())
+    (p1, _), (p2, _) = refit._MODULI
+    both = p1 * p2
+    assert p1 != p2 and both > 2**61
+    for shift in range(8):
+        for j in (-1, 1):
+            residue = (-j * pow(2, 64 - 8 * shift, both)) % both
+            assert min(residue, both - residue) >= min(2**32, 2**(64 - 8 * shift))
+
+
+def test_a_digest_of_another_format_is_refused_not_compared():
+    from mtp_overlay.mtp import TensorDigest, check_fresh, compare_fingerprints
+
+    current = digest(torch.ones(3))
+    older = TensorDigest(*current[:3], (5, 6))  # as unpickled from an mtp-overlay before the format was recorded
+    assert older.format == 1
+    for expected, received, argument in (({"w": older}, {"w": current}, "expected"), ({"w": current}, {"w": tuple(older[:4])}, "received")):
+        with pytest.raises(ValueError, match=rf"{argument}\['w'\] is a digest of format 1 .* not 2: it was computed by another mtp-overlay"):
+            compare_fingerprints(expected, received)
+    with pytest.raises(ValueError, match="format None"):
+        check_fresh({"w": current}, {"w": "stale"})
+    assert compare_fingerprints({"w": current}, {"w": digest(torch.ones(3))}) == {}
 
 
 def flip(tensor, index, new_bytes):
@@ -182,7 +214,8 @@ def test_the_same_bytes_give_the_same_digest_on_cuda_and_cpu():
     generator = torch.Generator().manual_seed(3)
     tensors = [("bf16", torch.randn(1000, 37, generator=generator).to(torch.bfloat16)),
                ("fp32", torch.randn(5 << 20, generator=generator)),  # several chunks
-               ("int", torch.randint(-9, 9, (17,), generator=generator)), ("t", torch.randn(8, 3, generator=generator).t())]
+               ("int", torch.randint(-9, 9, (17,), generator=generator)), ("t", torch.randn(8, 3, generator=generator).t()),
+               ("wraps", torch.full((300, 64), -2**63)), ("odd place", torch.randn(1001, generator=generator).to(torch.bfloat16)[3:])]
     on_cpu = fingerprint(tensors)
     assert fingerprint([(name, t.cuda()) for name, t in tensors]) == on_cpu
     assert fingerprint([(name, t.cuda()) for name, t in tensors], dtype=torch.bfloat16) == fingerprint(tensors, dtype=torch.bfloat16)

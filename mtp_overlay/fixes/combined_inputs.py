@@ -3,15 +3,16 @@
 ``LLaVAModel.forward`` (wrapped) opens a `Combined` for its language model; ``_preprocess_data`` and
 ``_process_embedding_token_parallel`` (wrapped) fill it in; the GPTModel/HybridModel forward hook of
 fix mtp-loss-mask calls `inject` first thing, which hands them to that language model's call when the
-call carries none. One wrapper on the language model's forward, two reasons: this fix declares
-``requires=("mtp-loss-mask",)``. A ContextVar, so threads and asyncio tasks each see their own;
-nothing here touches a tensor's values (no device sync).
+call carries none. One wrapper on the language model's forward, two reasons: mtp-multimodal declares
+``requires=("mtp-loss-mask",)``. Shared by both fixes, so neither imports the other (fix-to-fix imports
+follow the declarations' ``requires`` / ``reads``: `tests/contract/test_layers.py`). A ContextVar, so
+threads and asyncio tasks each see their own; nothing here touches a tensor's values (no device sync).
 """
 
 import contextlib
 import contextvars
 
-from ...calls import argument, with_argument
+from ..calls import argument, with_argument
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
