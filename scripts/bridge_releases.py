@@ -37,7 +37,7 @@ def where(error):
 
 facts = {}
 try:
-    from mtp_overlay.bed.models.bridge import local_overrides, import_bridge
+    from mtp_overlay.bed.models.bridge import import_bridge, local_overrides
     from mtp_overlay.bed.steps.bridge_step import import_gpt_step
     step = "megatron.bridge"
     import_bridge()

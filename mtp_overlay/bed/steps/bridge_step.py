@@ -310,7 +310,7 @@ def omni_finalize(requested=(0, None)):
     import torch
     from megatron.bridge.models.nemotron_omni.nemotron_omni_provider import NemotronOmniModelProvider
 
-    from ..models.bridge import local_overrides, import_bridge
+    from ..models.bridge import import_bridge, local_overrides
 
     import_bridge()
     finalized = {}
@@ -351,7 +351,7 @@ def export_case(*, finalize=True):
     """`ExportCase` (any process where Bridge imports; no distributed setup needed)."""
     import torch
 
-    from ..models.bridge import local_overrides, import_bridge
+    from ..models.bridge import import_bridge, local_overrides
     from .vllm_drafter import tiny_config
 
     import_bridge()
