@@ -322,7 +322,7 @@ def is_inference_column_parallel_linear(module):  # Megatron-LM main's test (d98
 MAIN_SHIM_CHECK = """
 import torch
 from megatron.core.transformer import multi_token_prediction as mtp
-from mtp_overlay.bed import cpu_shims
+from mtp_overlay.bed.runtime import cpu_shims
 linear = torch.nn.Linear(2, 2)
 original = mtp.is_inference_column_parallel_linear
 try:

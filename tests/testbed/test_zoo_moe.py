@@ -97,10 +97,10 @@ def build_facts(sp):
 
 def bridge_facts(sp):
     """The NemotronH MoE provider's model: provider, config keys from the HF config, layers."""
-    from mtp_overlay.bed.models.bridge import build_bridge_model, bridge_provider
+    from mtp_overlay.bed.models.bridge import bridge_provider, build_bridge_model, own_attention_backend
 
     provider = bridge_provider("nemotron_h_zoo")
-    with bridge.own_attention_backend():
+    with own_attention_backend():
         model = build_bridge_model("nemotron_h_zoo")
     keys = ("num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
             "mtp_num_layers", "mtp_use_repeated_layer", "hybrid_layer_pattern", "moe_token_dispatcher_type",

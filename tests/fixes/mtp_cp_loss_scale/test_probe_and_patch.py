@@ -49,8 +49,9 @@ ALL_WRAPPED = sorted(["mtp.process_mtp_loss", "mtp.roll_tensor", "save_metrics_t
 
 
 def environment(**extra):
-    """mtp-packed-roll off: it wraps roll_tensor too, and "wrapped" counts this fix's hooks only."""
-    return {**os.environ, "PYTHONPATH": str(ROOT), "MTP_OVERLAY_DISABLE": "mtp-packed-roll", **extra}
+    """mtp-packed-roll and mtp-logprob-skip off: they wrap roll_tensor and the model modules'
+    process_mtp_loss too, and "wrapped" counts this fix's hooks only."""
+    return {**os.environ, "PYTHONPATH": str(ROOT), "MTP_OVERLAY_DISABLE": "mtp-packed-roll,mtp-logprob-skip", **extra}
 
 
 def report(site, **env):

@@ -159,7 +159,7 @@ def rolls():
     import torch
     from megatron.core import parallel_state
     import megatron.core.transformer.multi_token_prediction as m
-    from mtp_overlay.bed import packed_reference as ref
+    from mtp_overlay.bed.oracles import packed_reference as ref
 
     group = parallel_state.get_context_parallel_group()
     size, rank = group.size(), group.rank()
