@@ -9,6 +9,8 @@ self-packing VLM recipes (NeMo-RL issue #2869).
 
 from __future__ import annotations
 
+from .device import for_collective
+
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # annotations only: torch and megatron load inside the functions
     from typing import Any, TypeAlias
@@ -142,8 +144,7 @@ def global_valid_tokens(token_mask: torch.Tensor, sample_mask: torch.Tensor, gro
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         if group is None:
             group = _data_parallel_group()
-        if "nccl" in str(torch.distributed.get_backend(group)) and total.device.type == "cpu":
-            total = total.cuda()
+        total = for_collective(total, group)
         torch.distributed.all_reduce(total, group=group)
     return float(total)
 

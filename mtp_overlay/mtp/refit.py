@@ -12,11 +12,11 @@ tensors the rollout worker receives (the stream its drafter's ``load_weights`` c
 tensors instead of showing up weeks later as "acceptance is low".
 
 Checksum (`tensor_checksum`, format 2): four exact integers per tensor, computed on the tensor's own
-device in two reductions over its bytes (each a read of the tensor at memory speed, with no
-arithmetic but the sum), so the same bytes give the same checksum on any device (CPU, CUDA, any
-index) and after any transport. The tensor's bytes, in logical order, are read as little-endian
-signed 64-bit words ``w_0 .. w_(m-1)`` (up to 7 bytes left over, zero-padded, are one more word
-at the end of ``a`` and of ``b``).
+device from sums over its bytes with no arithmetic but the sum (two torch reductions per tensor;
+on a CUDA device one read of a whole batch of tensors by `device.word_sums`' two kernels), so the
+same bytes give the same checksum on any device (CPU, CUDA, any index) and after any transport.
+The tensor's bytes, in logical order, are read as little-endian signed 64-bit words ``w_0 ..
+w_(m-1)`` (up to 7 bytes left over, zero-padded, are one more word at the end of ``b``).
 The first ``R * C`` words form an ``R x C`` matrix (``C``: the least integer >= 16 with ``C * C >=
 m``, ``R = m // C``), the rest are the tail. ``a``: the row sums; ``b``: the column sums, then the
 tail words and the left-over word one by one. Two words of the matrix share a row and a column only
@@ -52,6 +52,7 @@ format 1: two polynomial hashes of 16-bit words) is a ValueError, never a mismat
 
 from __future__ import annotations
 
+import bisect
 import math
 import re
 from typing import NamedTuple
@@ -64,7 +65,6 @@ if TYPE_CHECKING:  # annotations only: torch loads inside the functions
     import torch
 
     NamedTensors: TypeAlias = "Iterable[tuple[str, torch.Tensor]]"
-    _Sums: TypeAlias = "tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]"  # (a, b) of `_sums`
 
 # multimodal wrappers nest the language model's weights (vLLM strips these for Nemotron-H VL)
 _WRAPPER_PREFIXES = ("model.language_model.", "language_model.")
@@ -77,6 +77,7 @@ NAMESPACE, POSITIONAL = "mtp.*", "positional"
 _MODULI = ((2147483647, 1327217885), (2147483629, 889516854))
 _WIDTH = 16  # the least width of the words' matrix
 FORMAT = 2  # of TensorDigest.checksum; format 1 (mtp-overlay before it): two hashes of 16-bit words
+_BATCH_BYTES = 1 << 28  # a CUDA batch's words (`_DeviceSums`): copies and casts wait no longer than this
 
 
 class TensorDigest(NamedTuple):
@@ -131,17 +132,21 @@ def mtp_name_filter(num_hidden_layers: int, num_mtp_layers: int) -> Callable[[st
 def tensor_checksum(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """The checksum of ``tensor``'s bytes (see the module's docstring): a [4] int64 tensor on its own
     device (no host sync); ``dtype``: cast first (a temporary copy on that device)."""
-    return _hash([_sums(tensor, dtype)], tensor.device)[0]
-
-
-def _sums(tensor: torch.Tensor, dtype: torch.dtype | None) -> _Sums:
-    """``(a, b)``, each a tuple of int64 pieces on the tensor's device: the row sums of the words'
-    matrix; its column sums, the words past it and the left-over word. Two reductions, each reading
-    the tensor once."""
     import torch
 
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
+    sums = _DeviceSums(tensor.device, dtype)
+    sums.add(tensor)
+    return sums.checksums()[0]
+
+
+def _words(tensor: torch.Tensor, dtype: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``tensor``'s bytes (cast to ``dtype``, in logical order) as aligned little-endian int64
+    words, and the bytes left over as one zero-padded word (None when there are none): a view of
+    the tensor where its bytes allow, else a copy."""
+    import torch
+
     if tensor.device.type == "meta":
         raise ValueError("tensor is on the meta device: it holds no bytes to checksum")
     tensor = tensor.detach()
@@ -152,22 +157,95 @@ def _sums(tensor: torch.Tensor, dtype: torch.dtype | None) -> _Sums:
     if data.storage_offset() % 8:  # a view at an odd place: 64-bit words need aligned bytes
         data = data.clone()
     count = data.numel() // 8
-    words = data[:8 * count].view(torch.int64)
-    left: tuple[torch.Tensor, ...] = ()  # the bytes left over: one more word, zero-padded, at the end of both vectors
+    left = None
     if data.numel() > 8 * count:
-        left = (torch.nn.functional.pad(data[8 * count:], (0, 8 - data.numel() % 8)).view(torch.int64),)
-    width = max(_WIDTH, math.isqrt(count - 1) + 1 if count else 0)  # the least >= 16 with width**2 >= count
-    rows = count // width
-    block = words[:rows * width].view(rows, width)
-    return (block.sum(1),), (block.sum(0), words[rows * width:]) + left
+        left = torch.nn.functional.pad(data[8 * count:], (0, 8 - data.numel() % 8)).view(torch.int64)
+    return data[:8 * count].view(torch.int64), left
 
 
-def _hash(sums: list[_Sums], device: torch.device) -> torch.Tensor:
-    """[len(sums), 4] int64 on ``device``: per tensor ``(H1(a), H2(a), H1(b), H2(b))`` of its `_sums`,
-    all tensors at once (segment ``2 * t`` is tensor t's ``a``, ``2 * t + 1`` its ``b``)."""
+def _matrix(count: int) -> tuple[int, int]:
+    """``(R, C)`` of the matrix of ``count`` words: ``C`` the least >= 16 with ``C * C >= count``."""
+    width = max(_WIDTH, math.isqrt(count - 1) + 1 if count else 0)
+    return count // width, width
+
+
+class _DeviceSums:
+    """The row and column sums (``a``, ``b``) of tensors on one device, taken as they are added.
+
+    With torch ops, two reductions per tensor, queued as it is added. On a CUDA device
+    (`device.uses_kernels`) tensors gather into batches of up to `_BATCH_BYTES`, each summed by
+    `device.word_sums`' two kernel launches; a batch is summed before a tensor whose bytes overlap
+    one already in it is added, so a producer that refills one buffer for each tensor it yields
+    is read as it yields."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype | None) -> None:
+        from .device import uses_kernels
+
+        self.device, self.dtype = device, dtype
+        self.kernels = uses_kernels(device)
+        self.values: list[torch.Tensor] = []  # flat int64 pieces: per tensor its a, then its b
+        self.lengths: list[int] = []  # per tensor len(a), len(b)
+        # not yet summed: (what holds the words, their address, count, left-over word)
+        self.batch: list[tuple[torch.Tensor, int, int, torch.Tensor | None]] = []
+        self.spans: list[tuple[int, int]] = []  # the batch's byte ranges, sorted
+        self.batch_bytes = 0
+
+    def add(self, tensor: torch.Tensor) -> None:
+        left: torch.Tensor | None = None
+        if self.kernels and tensor.dtype == (self.dtype or tensor.dtype) and tensor.is_contiguous() and not (
+                tensor.data_ptr() % 8 or tensor.nbytes % 8):  # its own bytes are the words: no view made
+            held, start, count = tensor, tensor.data_ptr(), tensor.nbytes // 8
+        else:
+            held, left = _words(tensor, self.dtype)
+            start, count = held.data_ptr(), held.numel()
+        rows, width = _matrix(count)
+        self.lengths += [rows, width + count - rows * width + (left is not None)]
+        if not self.kernels:
+            block = held[:rows * width].view(rows, width)
+            self.values += [block.sum(1), block.sum(0), held[rows * width:]] + ([] if left is None else [left])
+            return
+        span = (start, start + 8 * count)
+        place = bisect.bisect(self.spans, span)
+        if self.batch_bytes >= _BATCH_BYTES or (place and self.spans[place - 1][1] > start) or (
+                place < len(self.spans) and self.spans[place][0] < span[1]):
+            self._sum_batch()
+            place = 0
+        self.spans.insert(place, span)
+        self.batch.append((held, start, count, left))
+        self.batch_bytes += 8 * count
+
+    def _sum_batch(self) -> None:
+        import torch
+
+        from .device import word_sums
+
+        entries, lefts, at = [], [], 0
+        for _, start, count, left in self.batch:
+            rows, width = _matrix(count)
+            entries.append((start, count, rows, width, at))
+            at += rows + width + count - rows * width  # a, then b: the column sums, the words past
+            if left is not None:
+                lefts.append((at, left))
+                at += 1
+        out = word_sums(entries, at, self.device)
+        if lefts:
+            places = torch.tensor([place for place, _ in lefts], device=self.device)
+            out.index_copy_(0, places, torch.cat([left for _, left in lefts]))
+        self.values.append(out)
+        self.batch, self.spans, self.batch_bytes = [], [], 0
+
+    def checksums(self) -> torch.Tensor:
+        """[tensors added, 4] int64 on the device: per tensor ``(H1(a), H2(a), H1(b), H2(b))``."""
+        if self.batch:
+            self._sum_batch()
+        return _hash(self.values, self.lengths, self.device)
+
+
+def _hash(values: list[torch.Tensor], lengths: list[int], device: torch.device) -> torch.Tensor:
+    """[len(lengths) // 2, 4] int64 on ``device``: per tensor ``(H1(a), H2(a), H1(b), H2(b))``, all at once;
+    ``values`` concatenated are the segments ``a_0, b_0, a_1, b_1, ...`` of ``lengths``."""
     import torch
 
-    lengths = [sum(piece.numel() for piece in vector) for pair in sums for vector in pair]
     # each value's segment and place in it, built on the device (sizes known here: no host read, and
     # no per-value index copied over)
     count = torch.tensor(lengths, dtype=torch.int64, device=device)
@@ -176,12 +254,12 @@ def _hash(sums: list[_Sums], device: torch.device) -> torch.Tensor:
     moduli, radix = (torch.tensor([[n] for n in column], dtype=torch.int64, device=device)
                      for column in zip(*((p, (1 << 32) % p) for p, _ in _MODULI)))
     weights = _powers(max(lengths, default=0)).to(device)[:, place]  # [2, values]: r_k^i
-    values = torch.cat([piece for pair in sums for vector in pair for piece in vector])
+    words = torch.cat(values) if values else torch.zeros(0, dtype=torch.int64, device=device)
     # v mod p from v = high * 2**32 + low: |high * (2**32 mod p)| < 2**62, low < 2**32
-    values = ((values >> 32) * radix + (values & 0xFFFFFFFF)).remainder_(moduli)  # [2, values]
-    terms = (values * weights).remainder_(moduli)  # < 2**62 before the remainder, < 2**31 after
-    hashes = values.new_zeros(2, len(lengths)).index_add_(1, segment, terms).remainder_(moduli)
-    return hashes.view(2, len(sums), 2).permute(1, 2, 0).reshape(len(sums), 4)  # (H1(a), H2(a), H1(b), H2(b))
+    words = ((words >> 32) * radix + (words & 0xFFFFFFFF)).remainder_(moduli)  # [2, values]
+    terms = (words * weights).remainder_(moduli)  # < 2**62 before the remainder, < 2**31 after
+    hashes = words.new_zeros(2, len(lengths)).index_add_(1, segment, terms).remainder_(moduli)
+    return hashes.view(2, len(lengths) // 2, 2).permute(1, 2, 0).reshape(-1, 4)  # (H1(a), H2(a), H1(b), H2(b))
 
 
 def _powers(count: int) -> torch.Tensor:
@@ -208,21 +286,26 @@ def fingerprint(
     """``{name: TensorDigest}`` of the ``(name, tensor)`` pairs in ``named_tensors``.
 
     ``keep``: a predicate on names (e.g. `mtp_name_filter`); ``dtype``: checksum the tensors cast to
-    it (the wire dtype). Per tensor two reductions over its bytes; the hashes of all tensors of a device
-    in one batch and one host transfer per device. A name seen twice is a ValueError.
+    it (the wire dtype). Per tensor two reductions over its bytes (on a CUDA device two kernel
+    launches for a whole batch of tensors); the hashes of all tensors of a device in one batch and
+    one host transfer per device. A name seen twice is a ValueError.
     """
     entries: dict[str, tuple[tuple[int, ...], str, int]] = {}
-    sums: dict[torch.device, list[tuple[str, _Sums]]] = {}
+    sums: dict[torch.device, tuple[list[str], _DeviceSums]] = {}
     for index, (name, tensor) in enumerate(_pairs(named_tensors, "named_tensors")):
         if keep is not None and not keep(name):
             continue
         if name in entries:
             raise ValueError(f"named_tensors: {name!r} appears twice (at index {index})")
         entries[name] = _digest(tensor, dtype)
-        sums.setdefault(tensor.device, []).append((name, _sums(tensor, dtype)))
+        if tensor.device not in sums:
+            sums[tensor.device] = ([], _DeviceSums(tensor.device, dtype))
+        names, device_sums = sums[tensor.device]
+        device_sums.add(tensor)
+        names.append(name)
     values: dict[str, list[int]] = {}
-    for device, pairs in sums.items():
-        values.update(zip((name for name, _ in pairs), _hash([s for _, s in pairs], device).tolist()))
+    for names, device_sums in sums.values():
+        values.update(zip(names, device_sums.checksums().tolist()))
     return {name: TensorDigest(*entries[name], tuple(values[name]), FORMAT) for name in entries}
 
 

@@ -231,10 +231,12 @@ def _interleaved_times(model, batch, iterations):
 
 
 def _fingerprint_speed(model, repeats=5):
-    """(bytes read, fingerprint seconds, torch.sum seconds) over every parameter, medians, interleaved."""
+    """(bytes read, fingerprint seconds, torch.sum seconds, how the sums ran) over every parameter,
+    medians, interleaved."""
     import torch
 
     from ...mtp import fingerprint
+    from ...mtp.device import uses_kernels
 
     named = [(name, param.detach()) for name, param in model.named_parameters()]
     size = sum(param.numel() * param.element_size() for _, param in named)
@@ -248,11 +250,13 @@ def _fingerprint_speed(model, repeats=5):
             torch.cuda.synchronize()
         return time.perf_counter() - began
 
+    fingerprint(named)  # warm-up: the CUDA kernels compile on first use
     spans = {"fingerprint": [], "sum": []}
     for _ in range(repeats):
         spans["fingerprint"].append(timed(lambda: fingerprint(named)))
         spans["sum"].append(timed(lambda: [param.sum() for _, param in named]))
-    return size, statistics.median(spans["fingerprint"]), statistics.median(spans["sum"])
+    how = "Triton kernels" if uses_kernels(rank_device()) else "torch ops"
+    return size, statistics.median(spans["fingerprint"]), statistics.median(spans["sum"]), how
 
 
 def measure_sizes(sizes, iterations):
@@ -281,7 +285,7 @@ def run(device, sizes, iterations):
 def table(results, device):
     """The printed table of `run`'s results."""
     lines = []
-    for size, (rows, (nbytes, fingerprint_s, sum_s)) in results.items():
+    for size, (rows, (nbytes, fingerprint_s, sum_s, how)) in results.items():
         lines.append(f"-- {size} GPTModel, {MTP_DEPTHS} MTP depths, 4 sequences, RL forward+backward on {device}")
         lines.append(f"   {'layout':17s} {'side':8s} {'MTP loss per depth':24s} {'syncs':>6s} {'CUDA':>5s} "
                      f"{'aten ops':>8s} {'step ms':>9s}  ratio")
@@ -302,7 +306,8 @@ def table(results, device):
         for side in SIDES:
             lines.append(f"   {side} MTP loss spread across layouts (max relative): {loss_spread(rows, side):.2e}")
         gb = nbytes / 1e9
-        lines.append(f"   refit fingerprint: {gb:.3f} GB in {fingerprint_s * 1e3:.1f} ms = {gb / fingerprint_s:.1f} GB/s; "
+        lines.append(f"   refit fingerprint ({how}): {gb:.3f} GB in {fingerprint_s * 1e3:.1f} ms = "
+                     f"{gb / fingerprint_s:.1f} GB/s; "
                      f"torch.sum over the same tensors {gb / sum_s:.1f} GB/s (fingerprint/sum {sum_s / fingerprint_s:.2f})")
     return "\n".join(lines)
 

@@ -34,8 +34,10 @@ from .device import HIDE_CUDA, check_device
 
 PRELOAD = ["torch", "torch._dynamo", "torch._inductor.compile_fx", "flashinfer"]
 DISABLE = "MTP_OVERLAY_DISABLE"  # the product's switch (mtp_overlay.registry.disabled_from_env)
-# read once at interpreter start: a child that needs one is a real subprocess
-INTERPRETER_VARIABLES = ("PYTHONWARNINGS", "PYTHONSTARTUP", "PYTHONHOME", "PYTHONNOUSERSITE", "PYTHONSAFEPATH")
+# read once at interpreter start, or (TRITON_INTERPRET) when Triton's language loads, which the server
+# preloads: a child that needs one is a real subprocess
+INTERPRETER_VARIABLES = ("PYTHONWARNINGS", "PYTHONSTARTUP", "PYTHONHOME", "PYTHONNOUSERSITE", "PYTHONSAFEPATH",
+                         "TRITON_INTERPRET")
 # sys.path of `python -c` run with PYTHONPATH=_PYTHONPATH_SLOT: a child's PYTHONPATH entries go where the
 # slot is (site's .pth files insert entries too, before or after); absolute, so Python keeps it as is
 _PYTHONPATH_SLOT = "/<PYTHONPATH>"

@@ -1,11 +1,15 @@
 """The refit fingerprint's checksum: what it tells apart and what it guarantees across devices."""
 
+import json
+import os
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mtp_overlay.mtp import fingerprint, mtp_layer_of, mtp_name_filter
+from mtp_overlay.bed.runtime.preloaded import run_python
+from mtp_overlay.mtp import device, fingerprint, mtp_layer_of, mtp_name_filter
 from mtp_overlay.mtp import refit
 from mtp_overlay.mtp.refit import tensor_checksum
 
@@ -208,9 +212,72 @@ def test_both_namings_of_an_mtp_layer_are_recognised(name, expected):
     assert mtp_layer_of(name, 88, 2) == expected
 
 
+# what the kernels are checked on: sizes with and without tail words and left-over bytes, a matrix
+# wider than a program's columns, views at odd byte offsets, a transpose, an empty tensor, views
+# that overlap (each summed in a batch of its own), wrapping sums
+KERNEL_CASES = """
+generator = torch.Generator().manual_seed(11)
+tensors = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=generator) for n in (1, 7, 8, 127, 128, 129, 5000, 300001)]
+tensors += [torch.randn(33, 5, generator=generator).to(torch.bfloat16).t(), torch.tensor(-7), torch.empty(0)]
+tensors += [torch.randn(301, generator=generator).to(torch.bfloat16)[1:], torch.full((300, 64), -2**63)]
+whole = torch.randn(9000, generator=generator)
+tensors += [whole[:4000], whole[2000:6000], whole[:4000], whole[1:]]
+"""
+KERNELS = """
+import json
+import torch
+from mtp_overlay.mtp import device, refit
+exec(CASES)
+device.uses_kernels = lambda _: True  # Triton's interpreter runs the CUDA path's kernels on host tensors
+calls = []
+word_sums = device.word_sums
+device.word_sums = lambda entries, *rest: calls.append(len(entries)) or word_sums(entries, *rest)
+digests = refit.fingerprint([(str(i), t) for i, t in enumerate(tensors)])
+refit._BATCH_BYTES = 4096  # batches of a few tensors, and a cast: the same digests
+small = refit.fingerprint([(str(i), t) for i, t in enumerate(tensors)], dtype=torch.float32)
+device.uses_kernels = lambda _: False
+print(json.dumps({"kernels": [digests[str(i)].checksum for i in range(len(tensors))], "batches": calls,
+                  "small": small == refit.fingerprint([(str(i), t) for i, t in enumerate(tensors)], dtype=torch.float32)}))
+"""
+
+
+def test_the_cuda_kernels_give_the_checksum_of_its_definition():
+    """`mtp.device.word_sums`' Triton kernels (the CUDA path), run by Triton's interpreter on host
+    tensors in a fresh interpreter (``TRITON_INTERPRET`` is read when the kernels are made)."""
+    result = run_python(f"CASES = {KERNEL_CASES!r}\n" + KERNELS, {**os.environ, "TRITON_INTERPRET": "1"}, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    found = json.loads(result.stdout.splitlines()[-1])
+    cases: dict = {"torch": torch}
+    exec(KERNEL_CASES, cases)
+    assert [tuple(checksum) for checksum in found["kernels"]] == [reference(t) for t in cases["tensors"]]
+    # a view of `whole` that overlaps one in the batch starts a batch of its own: the first batch
+    # holds every tensor up to the first view, the last the third view and `whole[1:]` (at an odd
+    # place: summed from an aligned copy, which overlaps nothing)
+    assert found["batches"][:3] == [len(cases["tensors"]) - 3, 1, 2] and found["small"]
+
+
+def test_the_cuda_kernels_compile_for_hopper():
+    """What an H100 / H200 runs: both kernels through Triton's compiler to a cubin for sm_90 (its own
+    ptxas; no GPU needed)."""
+    from triton import compile as compile_kernel
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from mtp_overlay.mtp import kernels
+
+    signature = {"layout": "*i64", "plan": "*i64", "out": "*i64", "partials": "*i64", "ROWS": "constexpr",
+                 "COLUMNS": "constexpr"}
+    for kernel in (kernels.row_sums, kernels.column_sums):
+        source = ASTSource(fn=kernel, signature=signature, constexprs={"ROWS": kernels.ROWS, "COLUMNS": kernels.COLUMNS})
+        compiled = compile_kernel(source, target=GPUTarget("cuda", 90, 32))
+        assert compiled.asm["cubin"] and "ld.global" in compiled.asm["ptx"]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_the_same_bytes_give_the_same_digest_on_cuda_and_cpu():
+    """On CUDA the kernels sum (`device.uses_kernels`), also for a producer that refills one buffer."""
+    assert device.uses_kernels(torch.device("cuda"))
     generator = torch.Generator().manual_seed(3)
     tensors = [("bf16", torch.randn(1000, 37, generator=generator).to(torch.bfloat16)),
                ("fp32", torch.randn(5 << 20, generator=generator)),  # several chunks
@@ -219,3 +286,12 @@ def test_the_same_bytes_give_the_same_digest_on_cuda_and_cpu():
     on_cpu = fingerprint(tensors)
     assert fingerprint([(name, t.cuda()) for name, t in tensors]) == on_cpu
     assert fingerprint([(name, t.cuda()) for name, t in tensors], dtype=torch.bfloat16) == fingerprint(tensors, dtype=torch.bfloat16)
+    sources = [torch.randn(1 << 20, generator=generator).cuda() for _ in range(4)]
+    buffer = torch.empty_like(sources[0])
+
+    def refilled():  # one buffer, refilled on the stream for each tensor yielded
+        for index, source in enumerate(sources):
+            buffer.copy_(source)
+            yield f"layers.{index}.weight", buffer
+
+    assert fingerprint(refilled()) == fingerprint((f"layers.{i}.weight", s.cpu()) for i, s in enumerate(sources))

@@ -1,0 +1,96 @@
+"""Where the MTP library's work runs: the library's one home for device-specific code, beside `checks`.
+
+* `for_collective`: a tensor where a process group's backend can reduce it (NCCL takes device
+  tensors only; gloo takes host tensors).
+* `word_sums`: the refit checksum's row and column sums (`refit`'s format 2) of many tensors in two
+  Triton kernel launches, on a CUDA device. Per-tensor torch reductions are launch-bound there (a
+  655M-parameter model's 1.3 GB read at ~70 GB/s with two reductions a tensor on an H200), while one
+  pass over every tensor reads at memory speed. `uses_kernels` says where they run: CUDA devices,
+  when Triton (which torch's CUDA builds bring) imports; elsewhere `refit` sums with torch ops (the
+  same words, so the same digests). The kernels live in `kernels`, which nothing else imports;
+  Triton's interpreter (``TRITON_INTERPRET=1`` before that import) runs them on host tensors, which
+  is how the CPU suite checks them against the checksum's definition.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+from ..contract import OverlayWarning
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # annotations only: torch loads inside the functions
+    import torch
+    from torch.distributed import ProcessGroup
+
+# (address, words, rows, width, at): one tensor's aligned 64-bit words at ``address`` (``words`` of
+# them), the matrix of their first ``rows * width``, and where its sums start in the output
+Entry = tuple[int, int, int, int, int]
+
+_unavailable: list[str] = []  # why the kernels cannot load here, once known (warned once)
+
+
+def for_collective(tensor: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """``tensor`` on a device ``group``'s backend reduces: the current CUDA device for NCCL when it
+    is a host tensor, else itself."""
+    import torch
+
+    if tensor.device.type == "cpu" and "nccl" in str(torch.distributed.get_backend(group)):
+        return tensor.cuda()
+    return tensor
+
+
+def uses_kernels(device: torch.device) -> bool:
+    """Whether `word_sums` runs on ``device``: a CUDA device where Triton imports (the first failure
+    to import warns once, naming it; torch ops sum instead)."""
+    if device.type != "cuda" or _unavailable:
+        return False
+    try:
+        from .kernels import row_sums  # noqa: F401  (Triton loads here)
+    except Exception as exc:  # Triton missing or broken: torch ops give the same words, slower
+        _unavailable.append(f"{type(exc).__name__}: {exc}")
+        warnings.warn(OverlayWarning(
+            f"mtp-overlay: the refit fingerprint's CUDA kernels cannot load ({_unavailable[0]}): "
+            "fingerprinting with torch ops, two launches per tensor"), stacklevel=3)
+        return False
+    return True
+
+
+def word_sums(entries: list[Entry], size: int, device: torch.device) -> torch.Tensor:
+    """[size] int64 on ``device``: for each entry, from ``at`` on, the row sums of its words' matrix
+    (``rows`` values), its column sums (``width``) and the words past the matrix, every sum wrapping
+    modulo 2**64; other places are left unwritten. Every entry's words must stay allocated and
+    unchanged until the work queued here has run (stream order, as for any op). No host read."""
+    import torch
+
+    from .kernels import COLUMNS, ROWS, column_sums, row_sums
+
+    out = torch.empty(size, dtype=torch.int64, device=device)
+    if not entries:
+        return out
+    table = torch.tensor(entries, dtype=torch.int64)  # [T, 5], on the host
+    rows, width = table[:, 2], table[:, 3]
+    tiles = (rows + ROWS - 1) // ROWS  # programs per tensor for its rows: ROWS rows each
+    blocks = (width + COLUMNS - 1) // COLUMNS  # programs per tensor for its columns: COLUMNS each
+    partial_at = (tiles * width).cumsum(0) - tiles * width  # per tile, its rows' column sums
+    layout = torch.cat((table, partial_at[:, None]), 1)  # [T, 6]
+    pieces = (layout, _programs(tiles, ROWS), _programs(blocks, COLUMNS))
+    plan = torch.cat([piece.reshape(-1) for piece in pieces])
+    if device.type == "cuda":  # one pinned copy, queued: no wait for the device
+        plan = plan.pin_memory().to(device, non_blocking=True)
+    layout, tile_plan, block_plan = plan.split([piece.numel() for piece in pieces])
+    partials = torch.empty(max(int((tiles * width).sum()), 1), dtype=torch.int64, device=device)
+    if tile_plan.numel():
+        row_sums[(tile_plan.numel() // 2,)](layout, tile_plan, out, partials, ROWS=ROWS, COLUMNS=COLUMNS)
+    column_sums[(block_plan.numel() // 2,)](layout, block_plan, out, partials, ROWS=ROWS, COLUMNS=COLUMNS)
+    return out
+
+
+def _programs(counts: torch.Tensor, step: int) -> torch.Tensor:
+    """[sum(counts), 2] int64 on the host: per program, its tensor's index and its first row (or
+    column): ``counts[t]`` programs for tensor t, ``step`` rows (columns) apart."""
+    import torch
+
+    index = torch.repeat_interleave(torch.arange(len(counts)), counts)
+    ordinal = torch.arange(len(index)) - (counts.cumsum(0) - counts)[index]
+    return torch.stack((index, ordinal * step), 1)
