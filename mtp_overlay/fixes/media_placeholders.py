@@ -83,8 +83,9 @@ def _without(part: object, placeholders: "Sequence[str]") -> object:
     if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
         return part
     text = part["text"]
-    for placeholder in placeholders:
-        text = text.replace(placeholder, "")
+    while any(placeholder in text for placeholder in placeholders):  # a removal can join one: "<<image>image>"
+        for placeholder in placeholders:
+            text = text.replace(placeholder, "")
     return {**part, "text": text}
 
 

@@ -81,8 +81,12 @@ class LintReport:
 def rows_of(path: Path) -> "Iterator[tuple[int, dict[str, Any]]]":
     """``(1-based line number, row)`` of each non-blank line; ValueError naming the line when it is not
     a JSON object whose ``messages`` is a non-empty list of messages (objects with a ``role``)."""
-    with path.open(encoding="utf-8") as lines:
-        for number, line in enumerate(lines, 1):
+    with path.open("rb") as lines:
+        for number, raw in enumerate(lines, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise ValueError(f"{path}:{number}: not UTF-8 ({exc.reason} at byte {exc.start})") from None
             if not line.strip():
                 continue
             try:
@@ -129,8 +133,12 @@ def lint_media(data: "str | Path", processor: "str | Path",
     ids = {modality: loaded.tokenizer.convert_tokens_to_ids(token) for modality, token in tokens.items()}
     render = original(ProcessorMixin.apply_chat_template)  # the stock render, hooked or not
 
-    def placeholder_tokens(messages: "list[dict[str, Any]]") -> "dict[str, int]":
-        text = render(loaded, json.loads(json.dumps(messages)))  # a copy: the processor edits parts in place
+    def placeholder_tokens(number: int, messages: "list[dict[str, Any]]") -> "dict[str, int]":
+        try:
+            text = render(loaded, json.loads(json.dumps(messages)))  # a copy: the processor edits parts in place
+        except Exception as exc:  # the template's own error (a content it cannot iterate, raise_exception)
+            raise ValueError(f"{data}:{number}: the processor's chat template cannot render this row "
+                             f"({type(exc).__name__}: {exc})") from None
         found = loaded.tokenizer(text, add_special_tokens=False)["input_ids"]
         return {modality: count for modality, token_id in ids.items() if (count := found.count(token_id))}
 
@@ -138,10 +146,10 @@ def lint_media(data: "str | Path", processor: "str | Path",
     for number, row in rows_of(data):
         messages, source = row["messages"], row.get("source")
         structured = {m: n for m, n in structured_counts(messages).items() if m in tokens}
-        stock = placeholder_tokens(messages)
+        stock = placeholder_tokens(number, messages)
         bad = stock != structured
         if bad:
-            fixed = placeholder_tokens(sanitized(messages, list(tokens.values()), strict=False)[0])
+            fixed = placeholder_tokens(number, sanitized(messages, list(tokens.values()), strict=False)[0])
             report.mismatches.append(Row(number, None if source is None else str(source), structured, stock, fixed))
         if source is not None:
             tally = report.sources.setdefault(str(source), [0, 0])

@@ -32,6 +32,13 @@ def test_one_image_two_literals_renders_two_stock_one_fixed(processor):
     assert prompt.count("<image>") == 1 and "what is in this" in prompt and "picture ?" in prompt  # the words stay
 
 
+def test_a_placeholder_joined_by_a_removal_is_removed_too(processor):
+    """"<<image>image>" holds one literal, and removing it leaves another: the structured items still decide."""
+    with mp.fix_off(FIX):
+        stock = mp.hf_placeholders(processor, mp.conversation(2, ["<<image>image> compare"]))
+    assert (stock, mp.hf_placeholders(processor, mp.conversation(2, ["<<image>image> compare"]))) == (1, 2)
+
+
 def test_text_only_messages_are_untouched(processor):
     """A message without structured media may talk about "<image>": the same render, fix on or off."""
     messages = [{"role": "user", "content": "what does <image> mean ?"},
@@ -77,7 +84,8 @@ def test_status_counts_changed_messages(processor):
     assert "message(s) with structured media had literal media placeholders removed" in row.details["note"]
 
 
-WORDS = st.sampled_from(["<image>", "what", "is", "<image><image>", "a<image>b", "picture", "?", "<imag", "e>"])
+WORDS = st.sampled_from(["<image>", "what", "is", "<image><image>", "a<image>b", "picture", "?", "<imag", "e>",
+                         "<<image>image>"])
 TEXTS = st.lists(st.lists(WORDS, max_size=5).map(" ".join), max_size=3)
 MESSAGES = st.lists(st.tuples(st.integers(0, 3), TEXTS), min_size=1, max_size=3)
 

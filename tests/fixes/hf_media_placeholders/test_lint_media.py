@@ -68,6 +68,17 @@ def test_malformed_line_is_named_exit_2(tmp_path, processor_folder, capsys, bad,
     assert f"{data}:3: {says}" in error
 
 
+def test_a_line_not_utf8_or_not_renderable_is_named_exit_2(tmp_path, processor_folder, capsys):
+    data = tmp_path / "latin1.jsonl"
+    latin1 = json.dumps(row("caf\u00e9"), ensure_ascii=False).encode("latin-1")
+    data.write_bytes(json.dumps(MIXED[0]).encode() + b"\n" + latin1 + b"\n")
+    assert main(["lint-media", str(data), "--processor", str(processor_folder)]) == 2
+    assert f"{data}:2: not UTF-8" in capsys.readouterr().err
+    unrenderable = write(tmp_path / "five.jsonl", [MIXED[0], {"messages": [{"role": "user", "content": 5}]}])
+    assert main(["lint-media", unrenderable, "--processor", str(processor_folder)]) == 2
+    assert f"{unrenderable}:2: the processor's chat template cannot render this row (TypeError" in capsys.readouterr().err
+
+
 def test_bad_arguments_exit_2(tmp_path, processor_folder, capsys):
     data = write(tmp_path / "d.jsonl", [MIXED[0]])
     assert main(["lint-media", str(tmp_path / "missing.jsonl"), "--processor", str(processor_folder)]) == 2
