@@ -449,6 +449,37 @@ def test_host_split_sizes_become_numpy_as_device_ones_do_upstream(tp1):
     assert facts["stand_in_keeps"] and facts["upstream_is_original"]
 
 
+def uneven_gather():
+    """Rank worker (2 ranks, the TP group): ``mappings._gather_along_first_dim`` with split sizes (the
+    stand-in, installed) and upstream's, of rank r's ``r + 1`` rows; without split sizes, of 4 rows."""
+    import torch
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import mappings
+
+    from mtp_overlay.bed.runtime import cpu_shims
+
+    group, rank = parallel_state.get_tensor_model_parallel_group(), parallel_state.get_tensor_model_parallel_rank()
+    rows = [torch.arange(3 * (r + 1), dtype=torch.float32).view(r + 1, 3) + 100 * r for r in range(2)]
+    even = [torch.arange(8, dtype=torch.float32).view(4, 2) * (r + 1) for r in range(2)]
+    found = {"gathered": mappings._gather_along_first_dim(rows[rank], group, output_split_sizes=[1, 2]),
+             "even": mappings._gather_along_first_dim(even[rank], group), "want": (torch.cat(rows), torch.cat(even))}
+    try:
+        cpu_shims.original(mappings, "_gather_along_first_dim")(rows[rank], group, output_split_sizes=[1, 2])
+        found["upstream"] = None
+    except RuntimeError as exc:  # gloo's refusal
+        found["upstream"] = str(exc)
+    return found
+
+
+def test_uneven_expert_tp_gather_equals_its_definition_and_is_needed():
+    """Expert TP > 1 (verify's default ETP = TP) gathers the tokens routed to a rank's experts with a
+    count per rank: the stand-in gives every rank's rows in rank order (NCCL's all_gather of unequal
+    tensors); a gather without split sizes stays upstream's; upstream's own uneven gather gloo refuses."""
+    for rank in run_ranks_checked(uneven_gather, 2, tp=2, fixes=[]):
+        assert rank["gathered"].equal(rank["want"][0]) and rank["even"].equal(rank["want"][1])
+        assert "ProcessGroupGloo::allgather: invalid tensor size" in rank["upstream"]
+
+
 @pytest.mark.gpu
 def test_host_stand_in_matches_upstream_on_a_device_tensor():
     """The reference of the host stand-in: upstream's own conversion of a CUDA tensor."""

@@ -49,6 +49,12 @@ allgather dispatcher needs none of these):
   ``all_to_all_single`` refuses tensors as split sizes (TypeError). The dispatcher's name for it
   (``token_dispatcher.maybe_move_tensor_to_cpu``) converts host tensors too, as upstream converts
   device ones; every other call is upstream's function.
+* With expert tensor parallelism (ETP > 1: ``--etp`` defaults to TP) it gathers the tokens routed to
+  its experts over the expert-TP group with a different count per rank
+  (``tensor_parallel/mappings.py`` ``_gather_along_first_dim(output_split_sizes=...)``: ``all_gather``
+  of a list of unequal tensors), which NCCL takes and gloo refuses (its uneven ``reduce_scatter`` on
+  the way back gloo takes): `_gather_uneven` pads each rank's rows to the largest count for an even
+  ``all_gather``. Calls without split sizes are upstream's.
 
 Megatron's own training step (``mtp_overlay.bed.steps.megatron_step``):
 
@@ -225,10 +231,28 @@ def _alltoall_dispatcher_shims():
     if not dispatcher or "cuda_dtoh_stream" not in vars(dispatcher[0].MoEAlltoAllTokenDispatcher):
         return []
     module = dispatcher[0]
+    from megatron.core.tensor_parallel import mappings
+
     return [
         Shim(module.MoEAlltoAllTokenDispatcher, "cuda_dtoh_stream", HostStream()),
         Shim(module, "maybe_move_tensor_to_cpu", functools.partial(_to_host, module.maybe_move_tensor_to_cpu)),
+        Shim(mappings, "_gather_along_first_dim", functools.partial(_gather_uneven, mappings._gather_along_first_dim)),
     ]
+
+
+def _gather_uneven(upstream, input_, group, output_split_sizes=None, use_global_buffer=False):
+    """``mappings._gather_along_first_dim`` with ``output_split_sizes`` on gloo: rank r's
+    ``output_split_sizes[r]`` rows, padded to the largest count, gathered evenly, the padding dropped
+    (upstream ``all_gather``s the unequal tensors themselves, which gloo refuses)."""
+    import torch
+
+    if output_split_sizes is None or group.size() == 1:
+        return upstream(input_, group, output_split_sizes, use_global_buffer)
+    padded = input_.new_zeros((max(output_split_sizes), *input_.shape[1:]))
+    padded[:len(input_)] = input_
+    gathered = [torch.empty_like(padded) for _ in output_split_sizes]
+    torch.distributed.all_gather(gathered, padded, group=group)
+    return torch.cat([rows[:count] for rows, count in zip(gathered, output_split_sizes)])
 
 
 def _to_host(upstream, tensor, as_numpy=False, record_stream=False):
