@@ -210,7 +210,7 @@ class Report:
             lines += ["set for the reference:"] + [f"   {k}: {v}" for k, v in settings.items()]
         provided = _dicts(self.built.get("provider_settings"))
         if provided:
-            lines += ["set on the provider after Megatron-Bridge's import:"] + [
+            lines += ["set beyond what the config and Megatron-Bridge's import of it give:"] + [
                 f"   {c['field']}: {c['bridge']} -> {c['set']}  ({c['why']})" for c in provided]
         facts = {k: v for k, v in self.built.items() if not isinstance(v, (list, dict))}
         if facts:

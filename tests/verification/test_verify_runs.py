@@ -84,9 +84,10 @@ def test_a_nemotron_h_folder_at_tp2_sp_real_lengths_needs_sp_scatter_and_packed_
     """The issue's command: ``verify --hf-config <NemotronH folder> --tp 2 --sp --cp 1 --packing
     thd-real-lengths`` on the folder ``NemotronHConfig(...).save_pretrained`` writes (``layers_block_type``
     lists, ``time_step_limit`` with transformers' encoding of inf), ``scatter_embedding_sequence_parallel:
-    false`` in it (Nemotron VL/Omni's language model): stock crashes; the overlay equals both references
-    (exit 0); the fixes it needs are named with the rows that show why."""
-    folder = nemotron_h(tmp_path, scatter_embedding_sequence_parallel=False)  # as transformers saves it
+    false`` in it (Nemotron VL/Omni's language model), no ``architectures`` (``NemotronHConfig(...)`` names
+    none unless given): stock crashes; the overlay equals both references (exit 0); the fixes it needs
+    are named with the rows that show why."""
+    folder = nemotron_h(tmp_path, scatter_embedding_sequence_parallel=False, architectures=None)  # as transformers saves it
     assert json.loads((folder / "config.json").read_text())["time_step_limit"] == [0.0, {"__float__": "Infinity"}]
     lines = []
     report = verification.verify(folder, tp=2, sp=True, cp=1, packing="thd-real-lengths", engine=engine(lines),
@@ -106,6 +107,7 @@ def test_a_nemotron_h_folder_at_tp2_sp_real_lengths_needs_sp_scatter_and_packed_
     assert roll.deeper is not None and roll.deeper.depths[0].wrong and roll.deeper.depths[0].missed
     text = report.text()
     assert "mtp-sp-scatter: without it, crash: RuntimeError" in text and "OK:" in text
+    assert "architectures (config.json): None -> ['NemotronHForCausalLM']" in text
     assert any("through Megatron's own step" in line for line in lines)
 
 
@@ -116,7 +118,7 @@ def test_every_family_the_test_bed_builds_verifies_and_what_it_cannot_build_is_n
     and NemotronH with M, E and * layers (the previous test) verify; a family Bridge cannot build is a
     ValueError naming Bridge's refusal. Qwen3's gated MLP (SwiGLU) at TP2 (each rank's fc1 [gate_r; up_r]:
     gathered by its partition layout) and Qwen3-MoE at EP2 (every expert drawn on every rank: the EP2 model
-    holds the reference's weights, its LM loss is the reference's) are no false alarm."""
+    holds the reference's weights, its LM loss is the reference's; at TP2xEP2+SP too) are no false alarm."""
     from transformers import Qwen3Config, Qwen3MoeConfig
 
     qwen3 = saved(Qwen3Config(architectures=["Qwen3ForCausalLM"], hidden_size=256, num_attention_heads=6,
@@ -130,6 +132,13 @@ def test_every_family_the_test_bed_builds_verifies_and_what_it_cannot_build_is_n
                                num_nextn_predict_layers=2), tmp_path / "qwen3_moe")
     report = verification.verify(moe, ep=2, engine=engine(), search=False)
     assert report.ok and report.layout == "EP2" and report.built["num_moe_experts"] == 4, report.text()
+    assert abs(report.stock.lm_loss - report.reference.lm_loss) <= 1e-6 * report.reference.lm_loss
+    # TP2xEP2+SP with expert TP = TP (verify's default): the tokens routed to a rank's experts are
+    # gathered and reduce-scattered over the expert-TP group with uneven counts (the stand-ins on gloo)
+    from mtp_overlay.bed.engines.verify import Engine
+
+    report = verification.verify(moe, tp=2, ep=2, sp=True, engine=Engine(4), search=False)
+    assert report.ok and report.layout == "TP2xEP2+SP", report.text()
     assert abs(report.stock.lm_loss - report.reference.lm_loss) <= 1e-6 * report.reference.lm_loss
 
     recipe = tmp_path / "my_recipe.py"

@@ -37,7 +37,7 @@ import sys
 import time
 
 from ...verification.plan import LOSSES  # verify's --loss -> (MegatronStep's loss shape, calculate_per_token_loss)
-from .verify_model import PlanError, check_buildable, describe, family, provided, provider_of
+from .verify_model import PlanError, check_buildable, describe, family, provided
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -45,7 +45,8 @@ if TYPE_CHECKING:
 
 
 def build(plan, sequence_parallel):
-    """This rank's model of the plan (its layout from parallel_state), per-token loss as the plan says.
+    """(this rank's model of the plan (its layout from parallel_state), per-token loss as the plan
+    says; ``{"provider_settings": [...]}``: what verify set beyond Bridge's import, `provided`).
 
     Under pipeline parallelism this rank's stage, holding the weights of the model built at PP1 over
     the same ranks (`pipeline.build_stage`; a stage built from the seed alone would draw other
@@ -53,11 +54,13 @@ def build(plan, sequence_parallel):
     """
     from ..models import pipeline
 
+    details = {}
+
     def one(staged):
         from ..models.bridge import build_provided
         from ..models.bridge import own_attention_backend
 
-        provider = provider_of(plan["model"])
+        provider, details["provider_settings"] = provided(plan["model"])
         kind = family(provider)
         check_buildable(provider)
         if pipeline.size() > 1 and provider.share_embeddings_and_output_weights:
@@ -79,7 +82,8 @@ def build(plan, sequence_parallel):
         model.config.calculate_per_token_loss = LOSSES[plan["loss"]][1]
         return model
 
-    return one(False) if pipeline.size() == 1 else pipeline.build_stage(one, dict(staged=False), dict(staged=True))
+    model = one(False) if pipeline.size() == 1 else pipeline.build_stage(one, dict(staged=False), dict(staged=True))
+    return model, details
 
 
 def build_multimodal(plan, sequence_parallel):
@@ -302,8 +306,8 @@ def prepared(plan, layout, sequence_parallel):
     from ..models.pipeline import language_model_of
 
     if plan.get("images") is None:
-        model = build(plan, sequence_parallel)
-        return (model, model, model, *microbatch(plan, layout), {})
+        model, details = build(plan, sequence_parallel)
+        return (model, model, model, *microbatch(plan, layout), details)
     from ..models.tiny_llava import CombinedIdsReference
 
     model, details = build_multimodal(plan, sequence_parallel)

@@ -75,6 +75,7 @@ def provided(model):
         from megatron.bridge import AutoBridge
 
         config = hf_config(model["config"])
+        architecture = _named_architecture(config)
         try:
             bridge = AutoBridge.from_hf_config(config)
         except ValueError as error:
@@ -87,7 +88,7 @@ def provided(model):
         provider = resolve_provider(model["path"])
     for name, value in model.get("overrides", {}).items():
         setattr(provider, name, value)
-    settings = []
+    settings = [architecture] if model["kind"] == "hf-config" and architecture else []
     if model["kind"] == "hf-config" and is_multimodal(provider):
         # read off transformers' config of the llm_config: a saved NemotronHConfig holds the MTP pattern as
         # mtp_layers_block_type, its property mtp_hybrid_override_pattern gives the symbols
@@ -104,6 +105,21 @@ def provided(model):
             settings.append(dict(field=name, bridge=getattr(provider, name), set=value, why=MULTIMODAL_WHY[name]))
             setattr(provider, name, value)
     return provider, settings
+
+
+def _named_architecture(config):
+    """A config saved without ``architectures`` (``NemotronHConfig(...).save_pretrained`` unless given
+    one) names the causal-LM class transformers maps its ``model_type`` to, as a checkpoint's would:
+    Megatron-Bridge picks its bridge by it. The setting made (`provided`'s shape), or None."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(getattr(config, "model_type", None))
+    if getattr(config, "architectures", None) or name is None:
+        return None
+    config.architectures = [name]
+    return dict(field="architectures (config.json)", bridge=None, set=[name],
+                why=f"the config names none; Megatron-Bridge picks its bridge by it: the causal-LM class "
+                    f"transformers maps model_type {config.model_type!r} to")
 
 
 # provider fields a multimodal plan sets (``plan["model"]["multimodal"]``), and why
