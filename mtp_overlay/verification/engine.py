@@ -1,6 +1,7 @@
 """The way from the product to the test bed's engine: a child process, JSON lines both ways.
 
-The product never imports the test bed (``tests/contract/test_layers.py``): verify runs the engine
+The product reaches the test bed through named doors only (``tests/contract/test_layers.py``): the CLI's
+``demo`` and ``check --run`` import it inside those commands, and verify runs the engine
 (``mtp_overlay.bed.engines.verify``, shipped in the same package) as ``python -m`` in a child process,
 which it needs anyway: the engine starts gloo ranks that import torch, megatron-core and
 Megatron-Bridge, none of which the caller's process should carry. One request per line on the

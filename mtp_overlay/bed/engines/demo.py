@@ -19,7 +19,10 @@ from ..fixes.mtp_loss_mask import scoped_mask_mtp_positions
 from ..fixes.mtp_moe_router import DEPTHS, NUM_LAYERS, PATTERN, stock_mtp_router
 from ..fixes.mtp_multimodal import llava_mtp_forward
 
-SP_SCATTER, LOSS_MASK, PACKED_ROLL, MULTIMODAL = "mtp-sp-scatter", "mtp-loss-mask", "mtp-packed-roll", "mtp-multimodal"
+SP_SCATTER = "mtp-sp-scatter"
+LOSS_MASK = "mtp-loss-mask"
+PACKED_ROLL = "mtp-packed-roll"
+MULTIMODAL = "mtp-multimodal"
 MOE_ROUTER = "mtp-moe-router"
 NOT_SCATTERING = dict(sequence_parallel=True, scatter_embedding_sequence_parallel=False)
 # four sequences of a packed RL batch, their prompt lengths, each padded to a multiple of 2*CP = 4

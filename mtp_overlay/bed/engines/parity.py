@@ -62,6 +62,11 @@ AUX_LOSS_COEFF = 0.1  # the aux-loss rows' MoE load-balancing coefficient: their
 # id -> what is wrong. A defect whose id is a registered megatron-core fix is no longer open
 # (`open_defects`): the overlay rows then must equal their reference.
 MTP_MOE_ROUTER = "mtp-moe-router"
+LOSS_MASK = "mtp-loss-mask"
+PACKED_ROLL = "mtp-packed-roll"
+CP_LOSS_SCALE = "mtp-cp-loss-scale"
+SP_SCATTER = "mtp-sp-scatter"
+LOGPROB_SKIP = "mtp-logprob-skip"
 OPEN_DEFECTS = {
     MTP_MOE_ROUTER: (
         "the MTP block's MoE layers are built without is_mtp_layer (megatron-core 0.17-0.19.x "
@@ -102,7 +107,7 @@ BUILT_WITH = (MTP_MOE_ROUTER,)
 MULTIMODAL_WRAPPERS = ("megatron.core.models.multimodal.", "megatron.core.models.mimo.")
 # fixes that act only in forwards that cannot train (no grad): a training step is bit-identical with
 # them on and off (tests/fixes/mtp_logprob_skip/ proves it with every fix installed)
-OUTSIDE_TRAINING = ("mtp-logprob-skip",)
+OUTSIDE_TRAINING = (LOGPROB_SKIP,)
 
 
 def megatron_core_fixes():
@@ -349,7 +354,7 @@ def composition_cases(parallelism):
     spec, everything = PARALLELISMS[parallelism], megatron_core_fixes()
     models = ("hybrid",) + (("hybrid, scatter=False",) if spec["sp"] else ())
     scoped = [()] + [(fix,) for fix in everything] + [tuple(f for f in everything if f != fix) for fix in everything]
-    explicit = [(), ("mtp-packed-roll",), ("mtp-cp-loss-scale",), ("mtp-sp-scatter", "mtp-packed-roll", "mtp-cp-loss-scale")]
+    explicit = [(), (PACKED_ROLL,), (CP_LOSS_SCALE,), (SP_SCATTER, PACKED_ROLL, CP_LOSS_SCALE)]
     base = dict(layout="unpadded", sequence_parallel=spec["sp"], pad_multiple=spec["pad_multiple"])
     cases = []
     for model in models:
@@ -361,7 +366,7 @@ def composition_cases(parallelism):
                 cases.append(Case(model, fixes=fixes, mtp_mask=route, loss="nemo-rl", **base))
         for fixes in ((), everything):
             cases.append(Case(model, fixes=fixes, wrapper=True, **base))
-    but = [tuple(f for f in everything if f != fix) for fix in (MTP_MOE_ROUTER, "mtp-cp-loss-scale")]
+    but = [tuple(f for f in everything if f != fix) for fix in (MTP_MOE_ROUTER, CP_LOSS_SCALE)]
     for fixes in [(), (MTP_MOE_ROUTER,)] + but + [everything]:
         cases.append(Case(COMPOSED_MOE, "bshd", spec["sp"], spec["pad_multiple"], fixes))
     return cases
@@ -397,15 +402,15 @@ def needed_fixes(case, parallelism):
     """The fixes this composition case's path needs to train like the reference, and why."""
     spec, needs = PARALLELISMS[parallelism], {}
     if case.layout == "unpadded":
-        needs["mtp-packed-roll"] = "cu_seqlens_q holds the real boundaries of a padded layout"
+        needs[PACKED_ROLL] = "cu_seqlens_q holds the real boundaries of a padded layout"
     if case.model in AUX_LOSS_MODELS:
         needs[MTP_MOE_ROUTER] = "the MTP block's MoE router trains its aux loss once per MTP depth"
     if case.model in NOT_SCATTERING and spec["sp"]:
-        needs["mtp-sp-scatter"] = "the embedding does not scatter to the sequence-parallel region"
+        needs[SP_SCATTER] = "the embedding does not scatter to the sequence-parallel region"
     if case.mtp_mask == "scoped":
-        needs["mtp-loss-mask"] = "the mask is scoped, not passed"
+        needs[LOSS_MASK] = "the mask is scoped, not passed"
     if spec["cp"] > 1:
-        needs["mtp-cp-loss-scale"] = "each CP rank normalises its MTP loss by its own counts"
+        needs[CP_LOSS_SCALE] = "each CP rank normalises its MTP loss by its own counts"
     return needs
 
 
@@ -414,9 +419,9 @@ def expected_outcome(case, parallelism):
     mtp-loss-mask hook refuses the unpadded flavour without mtp-packed-roll) or "crash" (the stock
     MTP concat of a model that does not scatter its embedding under SP)."""
     missing = set(needed_fixes(case, parallelism)) - set(case.fixes)
-    if case.layout == "unpadded" and "mtp-loss-mask" in case.fixes and "mtp-packed-roll" not in case.fixes:
+    if case.layout == "unpadded" and LOSS_MASK in case.fixes and PACKED_ROLL not in case.fixes:
         return "refused"
-    if "mtp-sp-scatter" in missing:
+    if SP_SCATTER in missing:
         return "crash"
     return "differs" if missing else "exact"
 
@@ -443,7 +448,7 @@ def composition_markdown(references, outcomes):
     for parallelism, results in outcomes.items():
         for outcome in results:
             name = composition_name(outcome.case)
-            if outcome.error is not None and "mtp-packed-roll" in outcome.error:
+            if outcome.error is not None and PACKED_ROLL in outcome.error:
                 cell = "refused (mtp-loss-mask: needs mtp-packed-roll)"
             elif outcome.error is not None:
                 cell = _error(outcome.error, 40)
@@ -496,11 +501,11 @@ def row_needs(model, layout, parallelism):
     spec = PARALLELISMS[parallelism]
     needs = {MTP_MOE_ROUTER} if model in AUX_LOSS_MODELS else set()
     if layout == "unpadded":
-        needs.add("mtp-packed-roll")
+        needs.add(PACKED_ROLL)
     if spec["cp"] > 1:
-        needs.add("mtp-cp-loss-scale")
+        needs.add(CP_LOSS_SCALE)
     if model in NOT_SCATTERING and spec["sp"]:
-        needs.add("mtp-sp-scatter")
+        needs.add(SP_SCATTER)
     return needs
 
 

@@ -89,7 +89,7 @@ def import_bridge():
 def import_stand_ins():
     """While the block runs, Bridge's modules import on a machine without its optional packages:
     ``import megatron.bridge`` through the scoped TE stand-in, its training step (``gpt_step``)
-    through the scoped stand-ins of its optional imports (both in `cpu_shims`). Where the packages
+    through the scoped stand-ins of its optional imports (both in `bridge_stand_ins`). Where the packages
     are installed it does nothing. For code that imports Bridge's modules by name, such as a fix's
     targets (``mtp-overlay check``, the contract test)."""
     from ..runtime.bridge_stand_ins import bridge_training_import_stand_ins, transformer_engine_import_stand_in

@@ -51,7 +51,7 @@ def build_tiny_llava(
     TP and CP sizes come from ``parallel_state``; the vision tower and projector run with sequence
     and context parallelism off (as Bridge's providers configure them). ``config_overrides`` go to
     the language TransformerConfig. ``stand_ins``: the ``shim.Shim`` list swapped in for the
-    construction; None: ``multimodal_stand_ins.llava_stand_ins()`` with the CPU shims installed, else none.
+    construction; None: ``multimodal_stand_ins.llava_stand_ins()`` on a CPU rank (`device.rank_device`), else none.
     """
     import torch
     from megatron.core.models.multimodal.llava_model import LLaVAModel

@@ -92,7 +92,8 @@ _state = {}
 
 @contextlib.contextmanager
 def drafter_environment():
-    """vLLM's world-size-1 gloo process group and model-parallel groups, and the attention stand-in."""
+    """vLLM's world-size-1 gloo process group and model-parallel groups, and the attention stand-in;
+    yields the folder the drafters' checkpoints are written to while it lasts."""
     import socket
 
     from vllm.config import set_current_vllm_config
@@ -110,7 +111,7 @@ def drafter_environment():
                 world_size=1, rank=0, local_rank=0, distributed_init_method=f"tcp://127.0.0.1:{port}", backend="gloo")
             parallel_state.initialize_model_parallel(1, 1)
         try:
-            yield
+            yield directory
         finally:
             parallel_state.destroy_model_parallel()
             parallel_state.destroy_distributed_environment()

@@ -151,8 +151,8 @@ def worker_environment(seed=0):
 
     from . import vllm_drafter
 
-    with vllm_drafter.drafter_environment():
-        directory = os.path.join(vllm_drafter._state["directory"], "checkpoint")
+    with vllm_drafter.drafter_environment() as folder:
+        directory = os.path.join(folder, "checkpoint")
         checkpoint, mtp_names = write_checkpoint(directory, seed)
         config = target_vllm_config(directory)
         with set_current_vllm_config(config), rank_device():
@@ -225,7 +225,7 @@ def make_worker(bed, runner="v2", engine="nccl"):
     transfer = WeightTransferEngineFactory.create_engine(
         config.weight_transfer_config, config, rank_device(), runner_object.get_model())
     if engine == "nccl":  # what init_transfer_engine records from the trainer's init info (0.33)
-        transfer.model_update_group = HostCommunicator("cpu")
+        transfer.model_update_group = HostCommunicator(rank_device())
         if hasattr(transfer, "packed"):
             transfer.packed = True
             transfer.packed_buffer_size_bytes, transfer.packed_num_buffers = PACKED_BUFFER_BYTES, PACKED_BUFFERS
@@ -262,11 +262,11 @@ def send(worker, stream):
     from ..runtime.streams import accelerator_synchronize_stand_in
     from ..runtime.streams import RecordingCommunicator, ReplayCommunicator, host_streams
 
-    sender = RecordingCommunicator("cpu")
+    sender = RecordingCommunicator(rank_device())
     with host_streams():
         packed_tensor.packed_nccl_broadcast_producer(iter(stream), sender, 0, lambda item: item[1],
                                                      buffer_size_bytes=PACKED_BUFFER_BYTES, num_buffers=PACKED_BUFFERS)
-    worker.weight_transfer_engine.model_update_group = ReplayCommunicator(sender.sent, "cpu")
+    worker.weight_transfer_engine.model_update_group = ReplayCommunicator(sender.sent, rank_device())
     with host_streams(), accelerator_synchronize_stand_in():
         worker.update_weights(update_info(worker, stream))
 
