@@ -1,6 +1,8 @@
 """Bad input to ``mtp-overlay verify`` is a clear error naming the argument, exit 2, before any rank starts
 (each case here would otherwise spawn the engine: a test that hangs or takes seconds has failed). ~2 s."""
 
+import functools
+import importlib
 import json
 import shutil
 from pathlib import Path
@@ -191,6 +193,14 @@ def test_a_provider_that_raises_is_named_with_the_flag_and_its_line(tmp_path):
                        f"modulo by zero (at {recipe}:2)")
     with pytest.raises(ValueError, match=f"^--provider {recipe}:provider: provider\\(\\) raised"):
         verification._raise_plan_error({"error": message})  # named as it is, not as "cannot build"
+    # raised before any of the user's code ran: no line of the engine's (or importlib's) is named as theirs
+    with pytest.raises(PlanError) as raised:
+        users_code(f"{recipe}:helper", "helper()", namespace["helper"])
+    assert str(raised.value).endswith("missing 1 required positional argument: 'size'")
+    with pytest.raises(PlanError) as raised:
+        users_code("no_such_module:provider", "importing no_such_module",
+                   functools.partial(importlib.import_module, "no_such_module"))
+    assert str(raised.value).endswith("No module named 'no_such_module'")
 
 
 def test_etp_is_named_wherever_it_is_set():

@@ -182,20 +182,24 @@ def resolve_provider(path):
 
 def users_code(path, what, call):
     """``call()``, the user's code behind ``--provider path``; PlanError naming the flag, ``what`` raised
-    and the innermost line of the user's file (or of the traceback) where it did, never a traceback."""
+    and the innermost line of the user's file where it did (else of the code it ran; none when it raised
+    before running any: a missing module, a call with the wrong arguments), never a traceback."""
+    import importlib
     import traceback
 
     try:
         return call()
     except Exception as error:  # noqa: BLE001 - the user's code: any error is theirs to see, named
         frames = traceback.extract_tb(error.__traceback__)
+        file = os.path.abspath(path.rpartition(":")[0])
+        theirs = [frame for frame in frames if os.path.abspath(frame.filename) == file] or [
+            frame for frame in frames if frame.filename != __file__ and not frame.filename.startswith(
+                ("<", os.path.dirname(importlib.__file__)))]
         if isinstance(error, SyntaxError) and error.filename:
-            at = f"{error.filename}:{error.lineno}"
+            at = f" (at {error.filename}:{error.lineno})"
         else:
-            file = os.path.abspath(path.rpartition(":")[0])
-            theirs = [frame for frame in frames if os.path.abspath(frame.filename) == file] or frames
-            at = f"{theirs[-1].filename}:{theirs[-1].lineno}"
-        raise PlanError(f"--provider {path}: {what} raised {type(error).__name__}: {error} (at {at})") from None
+            at = f" (at {theirs[-1].filename}:{theirs[-1].lineno})" if theirs else ""
+        raise PlanError(f"--provider {path}: {what} raised {type(error).__name__}: {error}{at}") from None
 
 
 def describe(model):
