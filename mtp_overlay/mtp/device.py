@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 from ..contract import OverlayWarning
@@ -80,9 +81,11 @@ def word_sums(entries: list[Entry], size: int, device: torch.device) -> torch.Te
         plan = plan.pin_memory().to(device, non_blocking=True)
     layout, tile_plan, block_plan = plan.split([piece.numel() for piece in pieces])
     partials = torch.empty(max(int((tiles * width).sum()), 1), dtype=torch.int64, device=device)
-    if tile_plan.numel():
-        row_sums[(tile_plan.numel() // 2,)](layout, tile_plan, out, partials, ROWS=ROWS, COLUMNS=COLUMNS)
-    column_sums[(block_plan.numel() // 2,)](layout, block_plan, out, partials, ROWS=ROWS, COLUMNS=COLUMNS)
+    # Triton launches on the current CUDA device: the tensors' own, whichever is current
+    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        if tile_plan.numel():
+            row_sums[(tile_plan.numel() // 2,)](layout, tile_plan, out, partials, ROWS=ROWS, COLUMNS=COLUMNS)
+        column_sums[(block_plan.numel() // 2,)](layout, block_plan, out, partials, ROWS=ROWS, COLUMNS=COLUMNS)
     return out
 
 
