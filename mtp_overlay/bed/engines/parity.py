@@ -58,15 +58,16 @@ NOT_SCATTERING = tuple(model for model in MODELS if model.endswith("scatter=Fals
 MOE_MODELS = tuple(model for model in MODELS if "zoo" in model)
 AUX_LOSS_MODELS = tuple(model for model in MODELS if model.endswith("aux loss"))
 AUX_LOSS_COEFF = 0.1  # the aux-loss rows' MoE load-balancing coefficient: their defect shows well above float noise
-# MTP defects the table's rows meet that no overlay fix covers yet, by the id their fix would take:
-# id -> what is wrong. A defect whose id is a registered megatron-core fix is no longer open
-# (`open_defects`): the overlay rows then must equal their reference.
-MTP_MOE_ROUTER = "mtp-moe-router"
+# the fixes the cases name
 LOSS_MASK = "mtp-loss-mask"
 PACKED_ROLL = "mtp-packed-roll"
 CP_LOSS_SCALE = "mtp-cp-loss-scale"
 SP_SCATTER = "mtp-sp-scatter"
 LOGPROB_SKIP = "mtp-logprob-skip"
+# MTP defects the table's rows meet that no overlay fix covers yet, by the id their fix would take:
+# id -> what is wrong. A defect whose id is a registered megatron-core fix is no longer open
+# (`open_defects`): the overlay rows then must equal their reference.
+MTP_MOE_ROUTER = "mtp-moe-router"
 OPEN_DEFECTS = {
     MTP_MOE_ROUTER: (
         "the MTP block's MoE layers are built without is_mtp_layer (megatron-core 0.17-0.19.x "
