@@ -11,7 +11,7 @@
 # 22M-parameter GPTModel in bf16 through Float16Module (on CPU: a tiny one in fp32), BSHD, THD padded
 # and THD real-lengths, stock and with every fix: MTP loss per depth, syncs per step (aten-level counter,
 # and CUDA's own detector), aten ops, step time (interleaved, median), the refit fingerprint's speed; and
-# scripts/bench_fingerprint.py (64 tensors of 4 MiB; on CPU 8 of 1 MiB).
+# scripts/bench_fingerprint.py (64 tensors of 4 MiB).
 # megatron-core, Megatron-Bridge, wrapt, pytest and hypothesis travel as wheels (a few MB); vLLM and
 # Transformer Engine do not (too large), so vLLM's GPU tests are not collected there and THD attention
 # is the test bed's stand-in. Budget: 6 minutes on one H200, wheel install included. The table goes to
@@ -95,7 +95,7 @@ if [ "$mode" = gpu ]; then  # on CPU they all skip: the row would only cost the 
 fi
 row "demo" "$python" -m mtp_overlay.cli demo
 row "verify nemotron_h_like" "$python" -m mtp_overlay.cli verify --hf-config tests/verification/configs/nemotron_h_like
-if [ "$mode" = cpu ]; then fingerprint_size=(--tensors 8 --elements 262144 --repeats 3); else fingerprint_size=(); fi
+if [ "$mode" = cpu ]; then fingerprint_size=(--repeats 5); else fingerprint_size=(); fi
 row "fingerprint bench" "$python" scripts/bench_fingerprint.py "${engine[@]}" "${fingerprint_size[@]}"
 engine_out=$(mktemp -t mtp-overlay-gpu-check-engine-XXXXXX.txt)
 row "hot path" bash -c "'$python' -m mtp_overlay.bed.engines.gpu_check ${engine[*]} > '$engine_out' && tail -1 '$engine_out'"
