@@ -52,7 +52,6 @@ format 1: two polynomial hashes of 16-bit words) is a ValueError, never a mismat
 
 from __future__ import annotations
 
-import bisect
 import math
 import re
 from typing import NamedTuple
@@ -77,7 +76,7 @@ NAMESPACE, POSITIONAL = "mtp.*", "positional"
 _MODULI = ((2147483647, 1327217885), (2147483629, 889516854))
 _WIDTH = 16  # the least width of the words' matrix
 FORMAT = 2  # of TensorDigest.checksum; format 1 (mtp-overlay before it): two hashes of 16-bit words
-_BATCH_BYTES = 1 << 28  # a CUDA batch's words (`_DeviceSums`): copies and casts wait no longer than this
+_BATCH_BYTES = 1 << 28  # a CUDA batch's words (`_DeviceSums`): held temporaries stay under it
 
 
 class TensorDigest(NamedTuple):
@@ -170,13 +169,12 @@ def _matrix(count: int) -> tuple[int, int]:
 
 
 class _DeviceSums:
-    """The row and column sums (``a``, ``b``) of tensors on one device, taken as they are added.
+    """The row and column sums (``a``, ``b``) of tensors on one device, in the order added.
 
     With torch ops, two reductions per tensor, queued as it is added. On a CUDA device
-    (`device.uses_kernels`) tensors gather into batches of up to `_BATCH_BYTES`, each summed by
-    `device.word_sums`' two kernel launches; a batch is summed before a tensor whose bytes overlap
-    one already in it is added, so a producer that refills one buffer for each tensor it yields
-    is read as it yields."""
+    (`device.uses_kernels`) tensors gather into batches of up to `_BATCH_BYTES` (held: a temporary,
+    a cast, lives until its batch is summed), each summed by `device.word_sums`' two kernel
+    launches: a tensor's bytes are read when its batch is, after it was added."""
 
     def __init__(self, device: torch.device, dtype: torch.dtype | None) -> None:
         from .device import uses_kernels
@@ -187,7 +185,6 @@ class _DeviceSums:
         self.lengths: list[int] = []  # per tensor len(a), len(b)
         # not yet summed: (what holds the words, their address, count, left-over word)
         self.batch: list[tuple[torch.Tensor, int, int, torch.Tensor | None]] = []
-        self.spans: list[tuple[int, int]] = []  # the batch's byte ranges, sorted
         self.batch_bytes = 0
 
     def add(self, tensor: torch.Tensor) -> None:
@@ -204,13 +201,8 @@ class _DeviceSums:
             block = held[:rows * width].view(rows, width)
             self.values += [block.sum(1), block.sum(0), held[rows * width:]] + ([] if left is None else [left])
             return
-        span = (start, start + 8 * count)
-        place = bisect.bisect(self.spans, span)
-        if self.batch_bytes >= _BATCH_BYTES or (place and self.spans[place - 1][1] > start) or (
-                place < len(self.spans) and self.spans[place][0] < span[1]):
+        if self.batch_bytes >= _BATCH_BYTES:
             self._sum_batch()
-            place = 0
-        self.spans.insert(place, span)
         self.batch.append((held, start, count, left))
         self.batch_bytes += 8 * count
 
@@ -232,7 +224,7 @@ class _DeviceSums:
             places = torch.tensor([place for place, _ in lefts], device=self.device)
             out.index_copy_(0, places, torch.cat([left for _, left in lefts]))
         self.values.append(out)
-        self.batch, self.spans, self.batch_bytes = [], [], 0
+        self.batch, self.batch_bytes = [], 0
 
     def checksums(self) -> torch.Tensor:
         """[tensors added, 4] int64 on the device: per tensor ``(H1(a), H2(a), H1(b), H2(b))``."""
@@ -289,6 +281,10 @@ def fingerprint(
     it (the wire dtype). Per tensor two reductions over its bytes (on a CUDA device two kernel
     launches for a whole batch of tensors); the hashes of all tensors of a device in one batch and
     one host transfer per device. A name seen twice is a ValueError.
+
+    Each tensor must keep its bytes until the call returns: on a CUDA device it is read with its
+    batch, after later tensors were handed in. A producer that refills one buffer for each tensor it
+    yields is read with `record_fingerprints`, which takes each tensor as it passes.
     """
     entries: dict[str, tuple[tuple[int, ...], str, int]] = {}
     sums: dict[torch.device, tuple[list[str], _DeviceSums]] = {}
