@@ -69,31 +69,21 @@ def word_sums(entries: list[Entry], size: int, device: torch.device) -> torch.Te
     out = torch.empty(size, dtype=torch.int64, device=device)
     if not entries:
         return out
-    table = torch.tensor(entries, dtype=torch.int64)  # [T, 5], on the host
-    rows, width = table[:, 2], table[:, 3]
-    tiles = (rows + ROWS - 1) // ROWS  # programs per tensor for its rows: ROWS rows each
-    blocks = (width + COLUMNS - 1) // COLUMNS  # programs per tensor for its columns: COLUMNS each
-    partial_at = (tiles * width).cumsum(0) - tiles * width  # per tile, its rows' column sums
-    layout = torch.cat((table, partial_at[:, None]), 1)  # [T, 6]
-    pieces = (layout, _programs(tiles, ROWS), _programs(blocks, COLUMNS))
-    plan = torch.cat([piece.reshape(-1) for piece in pieces])
+    layout, tiles, blocks, partials = [], 0, 0, 0
+    for address, words, rows, width, at in entries:  # kernels.py's eight fields per tensor
+        layout += [address, words, rows, width, at, partials, tiles, blocks]
+        tiles += -(-rows // ROWS)  # row_sums programs: ROWS rows each, all their columns
+        blocks += -(-width // COLUMNS)  # column_sums programs: COLUMNS columns each
+        partials += -(-rows // ROWS) * width  # per tile, its rows' sum down each column
+    table = torch.tensor(layout, dtype=torch.int64)
     if device.type == "cuda":  # one pinned copy, queued: no wait for the device
-        plan = plan.pin_memory().to(device, non_blocking=True)
-    layout, tile_plan, block_plan = plan.split([piece.numel() for piece in pieces])
-    partials = torch.empty(max(int((tiles * width).sum()), 1), dtype=torch.int64, device=device)
+        table = table.pin_memory().to(device, non_blocking=True)
+    scratch = torch.empty(max(partials, 1), dtype=torch.int64, device=device)
     # Triton launches on the current CUDA device: the tensors' own, whichever is current
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-        if tile_plan.numel():
-            row_sums[(tile_plan.numel() // 2,)](layout, tile_plan, out, partials, ROWS=ROWS, COLUMNS=COLUMNS)
-        column_sums[(block_plan.numel() // 2,)](layout, block_plan, out, partials, ROWS=ROWS, COLUMNS=COLUMNS)
+        if tiles:
+            row_sums[(tiles,)](table, len(entries), out, scratch, ROWS=ROWS, COLUMNS=COLUMNS)
+        column_sums[(blocks,)](table, len(entries), out, scratch, ROWS=ROWS, COLUMNS=COLUMNS)
     return out
 
 
-def _programs(counts: torch.Tensor, step: int) -> torch.Tensor:
-    """[sum(counts), 2] int64 on the host: per program, its tensor's index and its first row (or
-    column): ``counts[t]`` programs for tensor t, ``step`` rows (columns) apart."""
-    import torch
-
-    index = torch.repeat_interleave(torch.arange(len(counts)), counts)
-    ordinal = torch.arange(len(index)) - (counts.cumsum(0) - counts)[index]
-    return torch.stack((index, ordinal * step), 1)

@@ -269,12 +269,14 @@ def test_the_cuda_kernels_compile_for_hopper():
 
     from mtp_overlay.mtp import kernels
 
-    signature = {"layout": "*i64", "plan": "*i64", "out": "*i64", "partials": "*i64", "ROWS": "constexpr",
-                 "COLUMNS": "constexpr"}
+    sizes = {"ROWS": kernels.ROWS, "COLUMNS": kernels.COLUMNS}
     for kernel in (kernels.row_sums, kernels.column_sums):
-        source = ASTSource(fn=kernel, signature=signature, constexprs={"ROWS": kernels.ROWS, "COLUMNS": kernels.COLUMNS})
-        compiled = compile_kernel(source, target=GPUTarget("cuda", 90, 32))
-        assert compiled.asm["cubin"] and "ld.global" in compiled.asm["ptx"]
+        for count, value in (("i32", {}), ("i64", {}), ("constexpr", {"tensors": 1})):  # as Triton types the count
+            signature = {"layout": "*i64", "tensors": count, "out": "*i64", "partials": "*i64", "ROWS": "constexpr",
+                         "COLUMNS": "constexpr"}
+            source = ASTSource(fn=kernel, signature=signature, constexprs={**sizes, **value})
+            compiled = compile_kernel(source, target=GPUTarget("cuda", 90, 32))
+            assert compiled.asm["cubin"] and "ld.global" in compiled.asm["ptx"]
 
 
 @pytest.mark.gpu
