@@ -42,19 +42,26 @@ def for_collective(tensor: torch.Tensor, group: ProcessGroup | None) -> torch.Te
 
 
 def uses_kernels(device: torch.device) -> bool:
-    """Whether `word_sums` runs on ``device``: a CUDA device where Triton imports (the first failure
-    to import warns once, naming it; torch ops sum instead)."""
+    """Whether `word_sums` runs on ``device``: a CUDA device where Triton imports and the kernels have
+    not failed in this process (`kernels_failed`; torch ops sum instead)."""
     if device.type != "cuda" or _unavailable:
         return False
     try:
         from .kernels import row_sums  # noqa: F401  (Triton loads here)
     except Exception as exc:  # Triton missing or broken: torch ops give the same words, slower
-        _unavailable.append(f"{type(exc).__name__}: {exc}")
-        warnings.warn(OverlayWarning(
-            f"mtp-overlay: the refit fingerprint's CUDA kernels cannot load ({_unavailable[0]}): "
-            "fingerprinting with torch ops, two launches per tensor"), stacklevel=3)
+        kernels_failed(exc)
         return False
     return True
+
+
+def kernels_failed(error: Exception) -> None:
+    """Record that the kernels cannot load, compile or launch here, and warn once naming ``error``:
+    `uses_kernels` is False from now on in this process (torch ops give the same words, slower)."""
+    if not _unavailable:
+        _unavailable.append(f"{type(error).__name__}: {error}")
+        warnings.warn(OverlayWarning(
+            f"mtp-overlay: the refit fingerprint's CUDA kernels failed here ({_unavailable[0]:.300}): "
+            "fingerprinting with torch ops, two launches per tensor"), stacklevel=4)
 
 
 def word_sums(entries: list[Entry], size: int, device: torch.device) -> torch.Tensor:

@@ -198,8 +198,7 @@ class _DeviceSums:
         rows, width = _matrix(count)
         self.lengths += [rows, width + count - rows * width + (left is not None)]
         if not self.kernels:
-            block = held[:rows * width].view(rows, width)
-            self.values += [block.sum(1), block.sum(0), held[rows * width:]] + ([] if left is None else [left])
+            self._reduce(held, count, left)
             return
         if self.batch_bytes >= _BATCH_BYTES:
             self._sum_batch()
@@ -209,7 +208,7 @@ class _DeviceSums:
     def _sum_batch(self) -> None:
         import torch
 
-        from .device import word_sums
+        from .device import kernels_failed, word_sums
 
         entries, lefts, at = [], [], 0
         for _, start, count, left in self.batch:
@@ -219,12 +218,25 @@ class _DeviceSums:
             if left is not None:
                 lefts.append((at, left))
                 at += 1
-        out = word_sums(entries, at, self.device)
+        batch, self.batch, self.batch_bytes = self.batch, [], 0
+        try:
+            out = word_sums(entries, at, self.device)
+        except Exception as exc:  # the kernels do not compile or launch here: torch ops, warned once
+            kernels_failed(exc)
+            self.kernels = False
+            for held, _, count, left in batch:
+                self._reduce(_words(held, None)[0], count, left)
+            return
         if lefts:
             places = torch.tensor([place for place, _ in lefts], device=self.device)
             out.index_copy_(0, places, torch.cat([left for _, left in lefts]))
         self.values.append(out)
-        self.batch, self.batch_bytes = [], 0
+
+    def _reduce(self, words: torch.Tensor, count: int, left: torch.Tensor | None) -> None:
+        """One tensor's ``a`` and ``b`` by torch ops: two reductions of its ``count`` words."""
+        rows, width = _matrix(count)
+        block = words[:rows * width].view(rows, width)
+        self.values += [block.sum(1), block.sum(0), words[rows * width:]] + ([] if left is None else [left])
 
     def checksums(self) -> torch.Tensor:
         """[tensors added, 4] int64 on the device: per tensor ``(H1(a), H2(a), H1(b), H2(b))``."""

@@ -260,6 +260,30 @@ def test_the_cuda_kernels_give_the_checksum_of_its_definition():
     assert found["batches"] == [len(cases["tensors"])] + batches and found["small"]
 
 
+def test_kernels_that_fail_here_warn_once_and_torch_ops_give_the_same_digests(monkeypatch):
+    """A Triton that cannot compile or launch the kernels (never run on this GPU, a driver it does not
+    know) costs speed, not the check: the batch is summed with torch ops, one OverlayWarning names
+    the failure, and the kernels are not tried again in the process."""
+    from mtp_overlay import OverlayWarning
+
+    tried = []
+
+    def failing(*arguments):
+        tried.append(arguments)
+        raise RuntimeError("PTX .version 9.9 does not support .target sm_999")
+
+    monkeypatch.setattr(device, "_unavailable", [])
+    monkeypatch.setattr(device, "word_sums", failing)
+    monkeypatch.setattr(device, "uses_kernels", lambda _: not device._unavailable)
+    generator = torch.Generator().manual_seed(2)
+    tensors = [(str(i), torch.randn(n, generator=generator)) for i, n in enumerate((5, 300, 4097))]
+    tensors.append(("odd", torch.randn(301, generator=generator).to(torch.bfloat16)[1:]))
+    with pytest.warns(OverlayWarning, match="CUDA kernels failed here .*sm_999.*torch ops"):
+        digests = fingerprint(tensors)
+    assert [digests[name].checksum for name, _ in tensors] == [reference(t) for _, t in tensors]
+    assert len(tried) == 1 and fingerprint(tensors) == digests and len(tried) == 1
+
+
 def test_the_cuda_kernels_compile_for_hopper():
     """What an H100 / H200 runs: both kernels through Triton's compiler to a cubin for sm_90 (its own
     ptxas; no GPU needed)."""
