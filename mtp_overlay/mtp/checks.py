@@ -12,7 +12,10 @@ of its step. So the hooks check in one of two modes:
   RuntimeError carrying the message; on CUDA the message goes to the process's stderr only (the
   kernel prints it), Python sees ``RuntimeError: CUDA error: device-side assert triggered`` at the
   next sync, and the process cannot use the device again. The message names the check in a few
-  words; ``MTP_OVERLAY_CHECKS=full`` reruns it with the detail (positions, what to do).
+  words; ``MTP_OVERLAY_CHECKS=full`` reruns it with the detail (positions, what to do). A check
+  fails on the ranks that hold what it refuses (under CP, the rank whose chunk holds a weighted
+  padding slot); the others wait in their next collective until the launcher ends the job
+  (torchrun when a rank exits; NCCL's timeout otherwise): no collective is added to tell them.
   The message is short by rule: CUDA copies it into a 256-byte buffer and refuses one of 255 bytes
   or more when the assert is *queued*, whatever the condition (PyTorch PR #134813; MPS: under 250),
   so every message, prefix included, stays under `MESSAGE_LIMIT` bytes.
