@@ -6,8 +6,8 @@
   Triton kernel launches, on a CUDA device. Per-tensor torch reductions are launch-bound there (a
   655M-parameter model's 1.3 GB read at ~70 GB/s with two reductions a tensor on an H200), while one
   pass over every tensor reads at memory speed. `uses_kernels` says where they run: CUDA devices,
-  when Triton (which torch's CUDA builds bring) imports; elsewhere `refit` sums with torch ops (the
-  same words, so the same digests). The kernels live in `kernels`, which nothing else imports;
+  when Triton (which torch's CUDA builds bring) imports and the kernels have not failed there
+  (`kernels_failed`); elsewhere `refit` sums with torch ops (the same words, so the same digests). The kernels live in `kernels`, which nothing else imports;
   Triton's interpreter (``TRITON_INTERPRET=1`` before that import) runs them on host tensors, which
   is how the CPU suite checks them against the checksum's definition.
 """
@@ -28,7 +28,7 @@ if TYPE_CHECKING:  # annotations only: torch loads inside the functions
 # them), the matrix of their first ``rows * width``, and where its sums start in the output
 Entry = tuple[int, int, int, int, int]
 
-_unavailable: list[str] = []  # why the kernels cannot load here, once known (warned once)
+_unavailable: list[str] = []  # why the kernels cannot load, compile or launch here, once known (warned once)
 
 
 def for_collective(tensor: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
