@@ -7,9 +7,10 @@
   655M-parameter model's 1.3 GB read at ~70 GB/s with two reductions a tensor on an H200), while one
   pass over every tensor reads at memory speed. `uses_kernels` says where they run: CUDA devices,
   when Triton (which torch's CUDA builds bring) imports and the kernels have not failed there
-  (`kernels_failed`); elsewhere `refit` sums with torch ops (the same words, so the same digests). The kernels live in `kernels`, which nothing else imports;
-  Triton's interpreter (``TRITON_INTERPRET=1`` before that import) runs them on host tensors, which
-  is how the CPU suite checks them against the checksum's definition.
+  (`kernels_failed`); elsewhere `refit` sums with torch ops (the same words, so the same digests).
+  The kernels live in `kernels`, which nothing else imports; Triton's interpreter
+  (``TRITON_INTERPRET=1`` before that import) runs them on host tensors, which is how the CPU suite
+  checks them against the checksum's definition.
 """
 
 from __future__ import annotations
@@ -92,5 +93,3 @@ def word_sums(entries: list[Entry], size: int, device: torch.device) -> torch.Te
             row_sums[(tiles,)](table, len(entries), out, scratch, ROWS=ROWS, COLUMNS=COLUMNS)
         column_sums[(blocks,)](table, len(entries), out, scratch, ROWS=ROWS, COLUMNS=COLUMNS)
     return out
-
-

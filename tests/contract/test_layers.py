@@ -140,25 +140,24 @@ def test_every_bed_import_points_down_the_bed_layers():
 
 
 def test_the_bed_imports_nothing_private_of_another_module():
+    """Neither ``from .x import _name`` nor ``x._name`` off a bed module it imported (``vllm_drafter._state``)."""
     modules = {module_name(relative) for relative, _ in all_modules()}
     private = []
     for relative, path in bed_modules():
-        module = module_name(relative)
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        module, tree = module_name(relative), ast.parse(path.read_text(), str(path))
+        bound = {}  # local name -> the module object it names, for names bound by ``from ... import``
+        for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom):
                 base = next(name for name, _ in imported_names(ast.Module([node], []), module,
                                                                relative.name == "__init__.py"))
+                bound.update({alias.asname or alias.name: f"{base}.{alias.name}" for alias in node.names})
                 if base.startswith("mtp_overlay") and base != module:
                     private += [f"{relative}: {base}.{alias.name}" for alias in node.names
                                 if alias.name.startswith("_") and f"{base}.{alias.name}" not in modules]
-        # nor reads one off a module it imported: ``vllm_drafter._state``
-        bound = {alias.asname or alias.name: f"{base}.{alias.name}" for node in ast.walk(ast.parse(path.read_text()))
-                 if isinstance(node, ast.ImportFrom) for base in [next(name for name, _ in imported_names(
-                     ast.Module([node], []), module, relative.name == "__init__.py"))] for alias in node.names}
-        private += [f"{relative}:{node.lineno}: {bound[node.value.id]}.{node.attr}"
-                    for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.Attribute)
-                    and isinstance(node.value, ast.Name) and bound.get(node.value.id) in modules
-                    and bound[node.value.id] != module and node.attr.startswith("_") and not node.attr.startswith("__")]
+        private += [f"{relative}:{node.lineno}: {bound[node.value.id]}.{node.attr}" for node in ast.walk(tree)
+                    if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                    and bound.get(node.value.id) in modules and bound[node.value.id] != module
+                    and node.attr.startswith("_") and not node.attr.startswith("__")]
     assert private == []
 
 

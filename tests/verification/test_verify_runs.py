@@ -87,7 +87,8 @@ def test_a_nemotron_h_folder_at_tp2_sp_real_lengths_needs_sp_scatter_and_packed_
     false`` in it (Nemotron VL/Omni's language model), no ``architectures`` (``NemotronHConfig(...)`` names
     none unless given): stock crashes; the overlay equals both references (exit 0); the fixes it needs
     are named with the rows that show why."""
-    folder = nemotron_h(tmp_path, scatter_embedding_sequence_parallel=False, architectures=None)  # as transformers saves it
+    # as transformers saves it
+    folder = nemotron_h(tmp_path, scatter_embedding_sequence_parallel=False, architectures=None)
     assert json.loads((folder / "config.json").read_text())["time_step_limit"] == [0.0, {"__float__": "Infinity"}]
     lines = []
     report = verification.verify(folder, tp=2, sp=True, cp=1, packing="thd-real-lengths", engine=engine(lines),
@@ -134,7 +135,7 @@ def test_every_family_the_test_bed_builds_verifies_and_what_it_cannot_build_is_n
     assert report.ok and report.layout == "EP2" and report.built["num_moe_experts"] == 4, report.text()
     assert abs(report.stock.lm_loss - report.reference.lm_loss) <= 1e-6 * report.reference.lm_loss
     # TP2xEP2+SP with expert TP = TP (verify's default): the tokens routed to a rank's experts are
-    # gathered and reduce-scattered over the expert-TP group with uneven counts (the stand-ins on gloo)
+    # gathered over the expert-TP group with uneven counts (cpu_shims' gather on gloo)
     from mtp_overlay.bed.engines.verify import Engine
 
     report = verification.verify(moe, tp=2, ep=2, sp=True, engine=Engine(4), search=False)
