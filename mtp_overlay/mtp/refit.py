@@ -52,6 +52,8 @@ format 1: two polynomial hashes of 16-bit words) is a ValueError, never a mismat
 
 from __future__ import annotations
 
+import functools
+import itertools
 import math
 import re
 from typing import NamedTuple
@@ -77,6 +79,7 @@ _MODULI = ((2147483647, 1327217885), (2147483629, 889516854))
 _WIDTH = 16  # the least width of the words' matrix
 FORMAT = 2  # of TensorDigest.checksum; format 1 (mtp-overlay before it): two hashes of 16-bit words
 _BATCH_BYTES = 1 << 28  # a CUDA batch's words (`_DeviceSums`): held temporaries stay under it
+_WINDOW = 1024  # `_hash`'s windows of values: weights r^j for j below it, r^(W w) per window
 
 
 class TensorDigest(NamedTuple):
@@ -247,35 +250,48 @@ class _DeviceSums:
 
 def _hash(values: list[torch.Tensor], lengths: list[int], device: torch.device) -> torch.Tensor:
     """[len(lengths) // 2, 4] int64 on ``device``: per tensor ``(H1(a), H2(a), H1(b), H2(b))``, all at once;
-    ``values`` concatenated are the segments ``a_0, b_0, a_1, b_1, ...`` of ``lengths``."""
+    ``values`` concatenated are the segments ``a_0, b_0, a_1, b_1, ...`` of ``lengths``.
+
+    No gather or scatter over the values: value ``i`` of the concatenation (``i = W w + j`` in window
+    ``w`` of `_WINDOW` ``W``) is weighed by ``r^j`` and summed up its window; each segment boundary's
+    prefix ``sum_(i < bound) v_i r^i`` is then a window's running sum times ``r^(W w)`` plus the
+    windows before it, and a segment's hash the difference of its two prefixes times ``r^-start``."""
     import torch
 
-    # each value's segment and place in it, built on the device (sizes known here: no host read, and
-    # no per-value index copied over)
-    count = torch.tensor(lengths, dtype=torch.int64, device=device)
-    segment = torch.repeat_interleave(torch.arange(len(lengths), device=device), count, output_size=sum(lengths))
-    place = torch.arange(sum(lengths), device=device) - (count.cumsum(0) - count)[segment]
-    moduli, radix = (torch.tensor([[n] for n in column], dtype=torch.int64, device=device)
-                     for column in zip(*((p, (1 << 32) % p) for p, _ in _MODULI)))
-    weights = _powers(max(lengths, default=0)).to(device)[:, place]  # [2, values]: r_k^i
-    words = torch.cat(values) if values else torch.zeros(0, dtype=torch.int64, device=device)
-    # v mod p from v = high * 2**32 + low: |high * (2**32 mod p)| < 2**62, low < 2**32
-    words = ((words >> 32) * radix + (words & 0xFFFFFFFF)).remainder_(moduli)  # [2, values]
-    terms = (words * weights).remainder_(moduli)  # < 2**62 before the remainder, < 2**31 after
-    hashes = words.new_zeros(2, len(lengths)).index_add_(1, segment, terms).remainder_(moduli)
+    total, window = sum(lengths), _WINDOW
+    windows = max(1, -(-total // window))
+    moduli = torch.tensor([[p] for p, _ in _MODULI], dtype=torch.int64, device=device)  # [2, 1]
+    terms = torch.zeros(2, windows * window, dtype=torch.int64, device=device)
+    if values:
+        torch.remainder(torch.cat(values), moduli, out=terms[:, :total])  # v mod p, exact for any int64
+    low, low_inverse = _powers(1, window, device), _powers(-1, window, device)  # [2, W]: r^j, r^-j
+    high, high_inverse = (_powers(step, 1 << (windows - 1).bit_length(), device) for step in (window, -window))
+    # per window the running sums of v_i r^j mod p: each term < 2**31, so below W * 2**31
+    running = terms.view(2, windows, window).mul_(low[:, None]).remainder_(moduli[:, :, None]).cumsum_(2)
+    weighed = (running[:, :, -1] % moduli) * high[:, :windows] % moduli  # a window's sum times r^(W w)
+    before = weighed.cumsum(1) - weighed  # the windows before each one, below windows * 2**31
+    bounds = torch.tensor([0, *itertools.accumulate(lengths)], device=device)
+    last = (bounds - 1).clamp_(min=0)  # the last value before a bound: window last // W, place last % W
+    blocks, places = last // window, last % window
+    prefix = (before[:, blocks] + high[:, blocks] * (running[:, blocks, places] % moduli)) % moduli * (bounds > 0)
+    starts = bounds[:-1]
+    inverse = high_inverse[:, starts // window] * low_inverse[:, starts % window] % moduli  # r^-start
+    hashes = (prefix[:, 1:] - prefix[:, :-1]) % moduli * inverse % moduli
     return hashes.view(2, len(lengths) // 2, 2).permute(1, 2, 0).reshape(-1, 4)  # (H1(a), H2(a), H1(b), H2(b))
 
 
-def _powers(count: int) -> torch.Tensor:
-    """[2, n >= count] int64 on the host: ``r_k^0, r_k^1, ... mod p_k``, grown by doubling."""
+@functools.cache
+def _powers(step: int, count: int, device: torch.device) -> torch.Tensor:
+    """[2, count] int64 on ``device``: ``(r_k^step)^n mod p_k`` for ``n < count`` (a negative ``step``:
+    powers of ``r_k``'s inverse), grown on the host by doubling; kept, as the hash asks for few sizes."""
     import torch
 
     table = torch.ones(2, 1, dtype=torch.int64)
     moduli = torch.tensor([[p] for p, _ in _MODULI], dtype=torch.int64)
-    while table.shape[1] < count:  # r^n: the next n powers are the first n times r^n
-        step = torch.tensor([[pow(r, table.shape[1], p)] for p, r in _MODULI], dtype=torch.int64)
-        table = torch.cat((table, (table * step).remainder_(moduli)), 1)
-    return table
+    while table.shape[1] < count:  # the next n powers are the first n times (r^step)^n
+        factor = torch.tensor([[pow(r, step * table.shape[1], p)] for p, r in _MODULI], dtype=torch.int64)
+        table = torch.cat((table, (table * factor).remainder_(moduli)), 1)
+    return table[:, :count].to(device)
 
 
 def _digest(tensor: torch.Tensor, dtype: torch.dtype | None) -> tuple[tuple[int, ...], str, int]:

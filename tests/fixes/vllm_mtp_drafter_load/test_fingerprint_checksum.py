@@ -82,6 +82,20 @@ def test_the_checksum_is_its_definition():
     assert tuple(tensor_checksum(tensors[-1]).tolist()) == reference(tensors[-1])
 
 
+def test_the_hash_windows_do_not_change_the_checksum(monkeypatch):
+    """`refit._hash` weighs its values window by window: segments (each tensor's row sums, column
+    sums and tail) that start, end and span any number of windows, and empty ones, give the
+    checksum of the definition at every window width."""
+    generator = torch.Generator().manual_seed(8)
+    tensors = [torch.randint(-2**31, 2**31 - 1, (n,), dtype=torch.int32, generator=generator)
+               for n in (2, 40, 513, 1, 9000, 0, 3)]
+    expected = [reference(t) for t in tensors]
+    for window in (1, 3, 64, 1024):
+        monkeypatch.setattr(refit, "_WINDOW", window)
+        digests = fingerprint([(str(i), t) for i, t in enumerate(tensors)])
+        assert [digests[str(i)].checksum for i in range(len(tensors))] == expected, window
+
+
 def test_checksum_is_exact_where_sums_wrap():
     """The largest and the smallest word in every place, 64 x 64 of them: every row and column sum
     wraps past 64 bits; against the geometric series by hand."""
