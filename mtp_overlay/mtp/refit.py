@@ -73,8 +73,7 @@ _NAMESPACE = re.compile(r"(?:model\.)?mtp\.(?:layers\.(\d+)\.)?")
 _POSITIONAL = re.compile(r"(?:model\.|backbone\.)?layers\.(\d+)\.")
 NAMESPACE, POSITIONAL = "mtp.*", "positional"
 # (prime p < 2**31, base r): r is the first primitive root of p from floor(p * (sqrt 5 - 1) / 2),
-# resp. floor(p * (sqrt 2 - 1)); below 2**31 every product of a word (< 2**16) or a residue with a
-# residue stays below 2**62 in int64
+# resp. floor(p * (sqrt 2 - 1)); below 2**31 a product of two residues stays below 2**62 in int64
 _MODULI = ((2147483647, 1327217885), (2147483629, 889516854))
 _WIDTH = 16  # the least width of the words' matrix
 FORMAT = 2  # of TensorDigest.checksum; format 1 (mtp-overlay before it): two hashes of 16-bit words

@@ -11,7 +11,8 @@ no fix installed; overlay: every fix) it measures:
 * the MTP loss per depth (Megatron's tracker): the overlay's is the same in every layout;
 * the host reads (device syncs) of one step, by file: `syncs.SyncCounter` at the aten level, and on
   CUDA also CUDA's own detector (``torch.cuda.set_sync_debug_mode``), and the aten ops of the step;
-* the step time, stock and overlay interleaved (CUDA events on a GPU), median of ``iterations``;
+* the step time, stock and overlay interleaved (CUDA events on a GPU), median of ``iterations``, and
+  the ratio: the median over the pairs of an overlay step's time over the stock step's just before it;
 * the refit fingerprint's throughput over every parameter beside ``torch.sum``'s over the same tensors.
 
 megatron-core's local ``DotProductAttention`` refuses packed input; on CUDA (no Transformer Engine
@@ -36,6 +37,9 @@ SIZES = {  # name -> GPTModel shape; the 655M one is the first GPU run's (SPEC: 
     "22M": dict(num_layers=2, hidden_size=512, num_attention_heads=8, vocab_size=8192, seq_length=1024),
     "tiny": dict(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=128, seq_length=64),
 }
+# timed steps per side by default: a 22M step (~30 ms on an H200) is short and its median of 12 moved
+# by 6% between two runs; 80 of them take ~15 s there, 12 of the 655M model's ~70 s
+ITERATIONS = {"655M": 12, "22M": 80, "tiny": 3}
 LAYOUTS = ("BSHD", "THD padded", "THD real-lengths")
 SIDES = ("stock", "overlay")
 MTP_DEPTHS = 2
@@ -56,6 +60,7 @@ class Row:
     cuda_sites: dict = dataclasses.field(default_factory=dict)  # "file:line" -> syncs CUDA's detector reported
     ops: int = 0  # aten ops of one step
     step_ms: float = 0.0  # median
+    ratio: float | None = None  # overlay: the median of its steps' times over the stock step's just before
 
 
 def thd_attention(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
@@ -147,6 +152,7 @@ def measure(size, iterations):
             times = _interleaved_times(model, batch, iterations)
             for side in SIDES:
                 rows[layout, side].step_ms = statistics.median(times[side])
+            rows[layout, "overlay"].ratio = statistics.median(o / s for s, o in zip(times["stock"], times["overlay"]))
     mtp_overlay.install()
     return [rows[layout, side] for layout in LAYOUTS for side in SIDES], _fingerprint_speed(model)
 
@@ -260,25 +266,28 @@ def _fingerprint_speed(model, repeats=5):
 
 
 def measure_sizes(sizes, iterations):
-    """Rank worker: `measure` of each size in turn, {size: (rows, fingerprint speed)}."""
+    """Rank worker: `measure` of each size in turn (``iterations``: timed steps per side, by size),
+    {size: (rows, fingerprint speed)}."""
     import gc
 
     import torch
 
     results = {}
     for size in sizes:
-        results[size] = measure(size, iterations)
+        results[size] = measure(size, iterations[size])
         gc.collect()
         if rank_device().type == "cuda":
             torch.cuda.empty_cache()
     return results
 
 
-def run(device, sizes, iterations):
-    """`measure_sizes` on one rank on ``device`` (one start of torch and megatron-core for all sizes)."""
+def run(device, sizes, iterations=None):
+    """`measure_sizes` on one rank on ``device`` (one start of torch and megatron-core for all sizes);
+    ``iterations``: timed steps per side, else `ITERATIONS`' of each size."""
     from ..runtime.launcher import run_ranks_checked
 
-    return run_ranks_checked(measure_sizes, 1, args=(list(sizes), iterations), device=device, fixes=None,
+    counts = {size: iterations or ITERATIONS[size] for size in sizes}
+    return run_ranks_checked(measure_sizes, 1, args=(list(sizes), counts), device=device, fixes=None,
                              timeout=900)[0]
 
 
@@ -292,10 +301,7 @@ def table(results, device):
         for row in rows:
             losses = "/".join(f"{loss:.6f}" for loss in row.mtp_losses)
             cuda = "-" if row.cuda_syncs is None else str(row.cuda_syncs)
-            ratio = ""
-            if row.side == "overlay":
-                stock = next(r for r in rows if r.layout == row.layout and r.side == "stock")
-                ratio = f"{row.step_ms / stock.step_ms:.3f}"
+            ratio = "" if row.ratio is None else f"{row.ratio:.3f}"
             lines.append(f"   {row.layout:17s} {row.side:8s} {losses:24s} {row.syncs:6d} {cuda:>5s} {row.ops:8d} "
                          f"{row.step_ms:9.2f}  {ratio}")
         for row in rows:
@@ -334,16 +340,16 @@ def main(argv=None):
     parser.add_argument("--device", choices=("cuda", "cpu"), required=True)
     parser.add_argument("--sizes", default=None, help=f"comma-separated of {', '.join(SIZES)} "
                                                         "(default: 655M,22M on cuda, tiny on cpu)")
-    parser.add_argument("--iterations", type=int, default=None, help="timed steps per side (default: 12 cuda, 3 cpu)")
+    parser.add_argument("--iterations", type=int, default=None,
+                        help="timed steps per side (default by size: " + ", ".join(f"{k} {v}" for k, v in ITERATIONS.items()) + ")")
     args = parser.parse_args(argv)
     sizes = (args.sizes or ("655M,22M" if args.device == "cuda" else "tiny")).split(",")
     unknown = [size for size in sizes if size not in SIZES]
     if unknown:
         parser.error(f"--sizes: unknown {', '.join(unknown)}; expected some of {', '.join(SIZES)}")
-    iterations = args.iterations or (12 if args.device == "cuda" else 3)
-    if iterations < 1:
-        parser.error(f"--iterations must be >= 1, got {iterations}")
-    print(table(run(args.device, sizes, iterations), args.device))
+    if args.iterations is not None and args.iterations < 1:
+        parser.error(f"--iterations must be >= 1, got {args.iterations}")
+    print(table(run(args.device, sizes, args.iterations), args.device))
     return 0
 
 
