@@ -37,7 +37,7 @@ from . import report as _report
 from .layout import Layout
 from .plan import LOSSES
 from .report import Report
-from .shrink import Shrunk, shrink
+from .shrink import ConfigError, Shrunk, shrink
 from .vision import is_multimodal, shrink_multimodal, shrink_provider_multimodal
 
 TYPE_CHECKING = False
@@ -115,6 +115,13 @@ def verify(
     run_layout, not_run = layout_to_run(layout, max_ranks)
 
     def shrunk_for(values: dict[str, object], keyspace: str, multimodal: bool) -> tuple[Shrunk, _data.Sample]:
+        try:
+            return shrunk_from(values, keyspace, multimodal)
+        except ConfigError as error:  # which config: the flag and its value
+            source = f"--provider {provider}" if hf_config is None else f"--hf-config {os.fspath(hf_config)}"
+            raise ConfigError(f"{source}: {error}") from None
+
+    def shrunk_from(values: dict[str, object], keyspace: str, multimodal: bool) -> tuple[Shrunk, _data.Sample]:
         nonlocal packing, forward
         if multimodal:
             packing, forward = packing or "none", forward or "sft"

@@ -18,7 +18,8 @@ def read_hf_config(path: str | os.PathLike[str]) -> dict[str, object]:
     name = os.fspath(path)
     file = os.path.join(name, "config.json") if os.path.isdir(name) else name
     if os.path.isdir(name) and not os.path.isfile(file):
-        raise ValueError(f"--hf-config {name}: the folder has no config.json")
+        found = "holds a config.json that is not a file" if os.path.exists(file) else "has no config.json"
+        raise ValueError(f"--hf-config {name}: the folder {found}")
     if not os.path.isfile(file):
         raise ValueError(f"--hf-config {name}: no such file or folder")
     try:

@@ -96,6 +96,11 @@ REFERENCE_SETTINGS = {
 }
 
 
+class ConfigError(ValueError):
+    """A value of the model's config (or provider's fields) that verify cannot run with; verify names
+    the config it came from."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Change:
     """One key the shrink changed: its name (in the config's key space), from, to, and why."""
@@ -196,7 +201,7 @@ class _Config:
         least = 1 if role in POSITIVE else 0
         if not isinstance(value, int) or isinstance(value, bool) or value < least:
             kind = "a positive" if least else "a non-negative"
-            raise ValueError(f"the config's {self.key(role)} must be {kind} integer, got {value!r}")
+            raise ConfigError(f"the config's {self.key(role)} must be {kind} integer, got {value!r}")
         return value
 
     def set(self, role: str, value: object, why: str = "", *, key: str | None = None) -> None:
@@ -293,7 +298,7 @@ def check_layout(config: _Config, layout: Layout, pattern: str | None, mtp_patte
     if attention and heads:
         groups = groups or heads
         if heads % groups:
-            raise ValueError(f"the config's {heads} attention heads do not split into {groups} query groups")
+            raise ConfigError(f"the config's {heads} attention heads do not split into {groups} query groups")
         for what, count in (("attention heads", heads), ("query groups (key/value heads)", groups)):
             if count % layout.tp:
                 raise ValueError(f"--tp {layout.tp}: the model's {count} {what} do not split over {layout.tp} "
@@ -306,7 +311,7 @@ def check_layout(config: _Config, layout: Layout, pattern: str | None, mtp_patte
                              "expert-parallel ranks")
         top_k = config.number("top_k") or 1
         if top_k > experts:
-            raise ValueError(f"the config routes each token to {top_k} experts (top-k) of {experts}")
+            raise ConfigError(f"the config routes each token to {top_k} experts (top-k) of {experts}")
         if layout.tp > 1 and not layout.sp:
             raise ValueError(f"--tp {layout.tp} with MoE layers needs --sp: megatron-core refuses to train MoE with "
                              "tensor parallelism and no sequence parallelism (transformer/moe/moe_layer.py:630)")
@@ -319,9 +324,9 @@ def check_layout(config: _Config, layout: Layout, pattern: str | None, mtp_patte
 def _check_mamba(config: _Config, layout: Layout) -> None:
     heads, groups = config.number("mamba_heads"), config.number("mamba_groups") or 1
     if not heads:
-        raise ValueError(f"the config has Mamba layers but no {config.key('mamba_heads')}")
+        raise ConfigError(f"the config has Mamba layers but no {config.key('mamba_heads')}")
     if heads % groups:
-        raise ValueError(f"the config's {heads} Mamba heads do not split into its {groups} groups")
+        raise ConfigError(f"the config's {heads} Mamba heads do not split into its {groups} groups")
     tp, cp = layout.tp, layout.cp
     if heads % tp or groups % tp:
         raise ValueError(f"--tp {tp}: the model's {heads} Mamba heads in {groups} groups do not split over {tp} "
@@ -402,7 +407,7 @@ def _patterns(config: _Config) -> tuple[str | None, str | None]:
             elif listed is not None:
                 value = "".join(_symbol(name, config, role) for name in listed)
         if value is not None and not isinstance(value, str):
-            raise ValueError(f"the config's {config.key(role)} must be a string of layer symbols, got {value!r}")
+            raise ConfigError(f"the config's {config.key(role)} must be a string of layer symbols, got {value!r}")
         found[role] = value or None
     return found["pattern"], found["mtp_pattern"]
 
@@ -424,7 +429,7 @@ def _symbol(name: object, config: _Config, role: str) -> str:
     symbols = {layer: symbol for symbol, layer in LAYER_NAMES.items()} | {"mamba": "M", "attention": "*"}
     if name not in symbols:
         key = next(key for key in LIST_KEYS[role] if key in config.values)
-        raise ValueError(f"the config's {key} holds layer type {name!r}, which has no CPU stand-in in the test bed "
+        raise ConfigError(f"the config's {key} holds layer type {name!r}, which has no CPU stand-in in the test bed "
                          f"(known: {', '.join(sorted(symbols))})")
     return symbols[str(name)]
 
@@ -437,12 +442,12 @@ def _mtp(config: _Config, depth: int | None, repeated: bool | None, pattern: str
         config.set("mtp_depth", depth, "--mtp-num-layers")
     found = config.number("mtp_depth") or 0
     if found < 1:
-        raise ValueError(f"the config has no MTP layers ({config.key('mtp_depth')} is {config.get('mtp_depth')!r}): "
+        raise ConfigError(f"the config has no MTP layers ({config.key('mtp_depth')} is {config.get('mtp_depth')!r}): "
                          "give --mtp-num-layers N to verify it with N")
     if pattern is not None and not mtp_pattern:
         listed = next((key for key in LIST_KEYS["mtp_pattern"] if key in config.values), None)
         key = listed or config.key("mtp_pattern")
-        raise ValueError(f"the config's {config.key('mtp_depth')} is {found}, but its {key} is "
+        raise ConfigError(f"the config's {config.key('mtp_depth')} is {found}, but its {key} is "
                          f"{config.values.get(key)!r}: a hybrid model's MTP block needs its layers (e.g. "
                          + ("['full_attention', 'moe']" if listed else "'*E'") + ")")
     if repeated is not None:

@@ -38,6 +38,9 @@ def run(capsys, *arguments):
 def test_a_config_folder_without_config_json(tmp_path, capsys):
     code, err = run(capsys, "--hf-config", str(tmp_path))
     assert code == 2 and f"--hf-config {tmp_path}: the folder has no config.json" in err
+    (tmp_path / "config.json").mkdir()
+    code, err = run(capsys, "--hf-config", str(tmp_path))
+    assert code == 2 and f"--hf-config {tmp_path}: the folder holds a config.json that is not a file" in err
 
 
 def test_a_config_that_is_not_one(tmp_path, capsys):
@@ -163,7 +166,7 @@ def test_zero_key_value_heads_is_refused_not_reshaped(tmp_path, capsys):
     values = json.loads((CONFIG / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**values, "num_key_value_heads": 0}))
     code, err = run(capsys, "--hf-config", str(tmp_path))
-    assert code == 2 and "the config's num_key_value_heads must be a positive integer, got 0" in err, err
+    assert code == 2 and f"--hf-config {tmp_path}: the config's num_key_value_heads must be a positive integer, got 0" in err, err
 
 
 def test_a_provider_file_with_a_syntax_error_is_named_with_its_line_before_any_rank(tmp_path, capsys):

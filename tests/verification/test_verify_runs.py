@@ -181,6 +181,9 @@ def test_pipeline_stages_through_megatrons_pipelined_schedule(tmp_path):
         "                            seq_length=64, mtp_num_layers=1, share_embeddings_and_output_weights=True)\n")
     with pytest.raises(ValueError, match="--pp 2 with tied embeddings"):
         verification.verify(provider=f"{recipe}:provider", pp=2, engine=engine())
+    recipe.write_text(recipe.read_text().replace("mtp_num_layers=1", "mtp_num_layers=None"))
+    with pytest.raises(ValueError, match=f"^--provider {recipe}:provider: the config has no MTP layers"):
+        verification.verify(provider=f"{recipe}:provider", engine=engine())
 
 
 OMNI = Path(__file__).parent / "configs" / "nemotron_omni_like"
