@@ -115,24 +115,23 @@ def verify(
     run_layout, not_run = layout_to_run(layout, max_ranks)
 
     def shrunk_for(values: dict[str, object], keyspace: str, multimodal: bool) -> tuple[Shrunk, _data.Sample]:
+        nonlocal packing, forward
         try:
-            return shrunk_from(values, keyspace, multimodal)
+            if multimodal:
+                packing, forward = packing or "none", forward or "sft"
+                check_multimodal_options(packing, forward, mtp_mask, layout, scatter_embedding, pad_multiple)
+                build = shrink_multimodal if keyspace == "hf" else shrink_provider_multimodal
+                made = build(values, layout, mtp_num_layers=mtp_num_layers, repeated_layer=repeated_layer,
+                             layers=layers)
+                reserved = made.multimodal.reserved if made.multimodal is not None else ()
+                return made, _data.sample(data, made.vocab, seed=0, images=True, reserved=reserved)
+            packing, forward = packing or PACKINGS[1], forward or "rl"
+            made = shrink(values, layout, keyspace=keyspace, mtp_num_layers=mtp_num_layers,
+                          repeated_layer=repeated_layer, layers=layers,
+                          scatter_embedding_sequence_parallel=scatter_embedding)
         except ConfigError as error:  # which config: the flag and its value
             source = f"--provider {provider}" if hf_config is None else f"--hf-config {os.fspath(hf_config)}"
             raise ConfigError(f"{source}: {error}") from None
-
-    def shrunk_from(values: dict[str, object], keyspace: str, multimodal: bool) -> tuple[Shrunk, _data.Sample]:
-        nonlocal packing, forward
-        if multimodal:
-            packing, forward = packing or "none", forward or "sft"
-            check_multimodal_options(packing, forward, mtp_mask, layout, scatter_embedding, pad_multiple)
-            build = shrink_multimodal if keyspace == "hf" else shrink_provider_multimodal
-            made = build(values, layout, mtp_num_layers=mtp_num_layers, repeated_layer=repeated_layer, layers=layers)
-            reserved = made.multimodal.reserved if made.multimodal is not None else ()
-            return made, _data.sample(data, made.vocab, seed=0, images=True, reserved=reserved)
-        packing, forward = packing or PACKINGS[1], forward or "rl"
-        made = shrink(values, layout, keyspace=keyspace, mtp_num_layers=mtp_num_layers, repeated_layer=repeated_layer,
-                      layers=layers, scatter_embedding_sequence_parallel=scatter_embedding)
         drawn = _data.sample(data, made.vocab, seed=0)
         check_padding(drawn, run_layout, packing, pad_multiple)
         return made, drawn
